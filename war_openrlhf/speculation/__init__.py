@@ -1,0 +1,22 @@
+"""Model-free speculative decoding from a global suffix index (SuffixDecoding, shared).
+
+- :mod:`records`: validated completed-turn records.
+- :mod:`log`: the sequence-numbered log replicas apply.
+- :mod:`index`: :class:`GlobalSuffixIndex`, one replica per engine, on arctic-inference's C++ tree.
+- :mod:`proposers`: the drafters compared in benchmarks (none, vLLM ngram, vLLM per-engine suffix, WAR global).
+"""
+
+from .index import Draft, GlobalSuffixIndex, SuffixIndexConfig
+from .log import CompletedSequenceLog, LogEntry, LogTruncatedError
+from .records import CompletedSequence, as_token_array
+
+__all__ = [
+    "CompletedSequence",
+    "CompletedSequenceLog",
+    "Draft",
+    "GlobalSuffixIndex",
+    "LogEntry",
+    "LogTruncatedError",
+    "SuffixIndexConfig",
+    "as_token_array",
+]
