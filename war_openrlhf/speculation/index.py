@@ -41,10 +41,12 @@ _FORMAT = "war-suffix-index/1"
 
 @dataclass
 class SuffixIndexConfig:
-    """Knobs of the index; defaults are the values the speculation benchmark chose.
+    """Knobs of the index; defaults are the values the speculation benchmark chose
+    (``tools/bench_speculation.py --ablations``, see docs/benchmarks.md).
 
     - ``max_tree_depth``: longest suffix kept per position (matching window). Cost of
-      insertion and speculation grows with it. arctic-inference uses 64, vLLM 24.
+      insertion and speculation grows with it. arctic-inference uses 64, vLLM 24;
+      32 drafts as well as 64 on agent traces at a quarter of the speculate cost.
     - ``token_budget``: tokens kept in the global tree (records' inserted tokens).
     - ``evict_to_fraction``: when over budget, evict oldest records down to this
       fraction of the budget, then rebuild once (amortises the rebuild).
@@ -58,18 +60,20 @@ class SuffixIndexConfig:
     - ``live_responses``: share this engine's in-flight responses (vLLM's behaviour).
     - ``max_spec_factor``, ``max_spec_offset``, ``min_token_prob``: arctic's draft
       rule: at most ``match_len * factor + offset`` tokens, stop below ``min_token_prob``.
+      WAR speculates only at low load, where verifying a longer draft is almost free
+      (decode is memory-bound), so it drafts up to 2x the match length (vLLM: 1x).
     - ``max_trajectory_trees``: trajectory trees kept for multi-turn reuse (LRU).
     """
 
-    max_tree_depth: int = 64
+    max_tree_depth: int = 32
     token_budget: int = 4_000_000
     evict_to_fraction: float = 0.75
     max_policy_lag: int | None = None
-    prompt_lead_in: int = 0
+    prompt_lead_in: int = 16
     group_trees: bool = False
     group_bias: float = 1.0
     live_responses: bool = True
-    max_spec_factor: float = 1.0
+    max_spec_factor: float = 2.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
     max_trajectory_trees: int = 4096
@@ -215,7 +219,6 @@ class GlobalSuffixIndex:
     def apply(self, entries: Iterable[LogEntry]) -> int:
         """Apply log entries in order. Already-applied entries are skipped; a gap raises."""
         n = 0
-        need_eviction = False
         for entry in entries:
             if entry.seq <= self._applied_seq:
                 continue
@@ -225,15 +228,16 @@ class GlobalSuffixIndex:
                     "apply entries in order without gaps (use sync(log))"
                 )
             if entry.record is not None:
-                need_eviction |= self._insert(entry.seq, entry.record)
+                need_eviction = self._insert(entry.seq, entry.record)
             elif entry.policy_version is not None:
-                need_eviction |= self._advance_version(entry.policy_version)
+                need_eviction = self._advance_version(entry.policy_version)
             else:
                 raise ValueError(f"entry {entry.seq}: neither a record nor a policy_version")
+            # Evict per entry, so the state never depends on how entries were batched.
+            if need_eviction:
+                self._evict()
             self._applied_seq = entry.seq
             n += 1
-        if need_eviction:
-            self._evict()
         return n
 
     def _advance_version(self, version: int) -> bool:

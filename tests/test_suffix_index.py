@@ -1,0 +1,351 @@
+"""The global suffix index against a brute-force reference, plus replication,
+eviction, persistence and bad-input behaviour."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from suffix_reference import BruteForceSuffixIndex, f32
+from war_openrlhf.speculation import (
+    CompletedSequence,
+    CompletedSequenceLog,
+    GlobalSuffixIndex,
+    LogTruncatedError,
+    SuffixIndexConfig,
+)
+
+tokens = st.lists(st.integers(0, 3), min_size=1, max_size=12)
+
+
+def _candidates_reference(index: GlobalSuffixIndex, request_tokens, group_records, live_seqs, records, group_bias):
+    """Brute-force indexes for each draft source, in the index's order, with weights."""
+    depth = index.config.max_tree_depth
+    out = []
+    for name, seqs, weight in (
+        ("request", [request_tokens], 1.0),
+        ("group", group_records, group_bias),
+        ("live", live_seqs, 1.0),
+        ("global", records, 1.0),
+    ):
+        ref = BruteForceSuffixIndex(depth)
+        for i, s in enumerate(seqs):
+            if len(s):
+                ref.extend(i, s)
+        out.append((name, ref, weight))
+    return out
+
+
+def _check_selection(draft, candidates, context, max_tokens, cfg):
+    """The index's draft must be what 'highest weighted score, earlier source on
+    ties' picks for *some* admissible tie order of every tree."""
+    kw = dict(max_spec_tokens=max_tokens, max_spec_factor=cfg.max_spec_factor,
+              max_spec_offset=cfg.max_spec_offset, min_token_prob=cfg.min_token_prob)
+    acceptable = [(name, ref.acceptable_drafts(context, **kw), w) for name, ref, w in candidates]
+    chosen = tuple(draft.token_ids)
+    if not chosen:
+        # every source must admit an empty draft (score 0)
+        for name, acc, _ in acceptable:
+            assert any(d.score == 0.0 for d in acc), f"{name} admits only non-empty drafts {acc}"
+        return
+    names = [a[0] for a in acceptable]
+    assert draft.source in names, draft
+    k = names.index(draft.source)
+    mine = [d for d in acceptable[k][1] if d.tokens == chosen and d.match_len == draft.match_len]
+    assert mine, f"{draft.source} draft {draft} not admissible: {acceptable[k][1]}"
+    ref_d = mine[0]
+    assert abs(ref_d.score - draft.score) < 1e-5
+    assert np.allclose(ref_d.probs, draft.probs, atol=1e-6)
+    score = f32(ref_d.score * acceptable[k][2])
+    for j, (name, acc, w) in enumerate(acceptable):
+        if j < k:  # earlier sources must be able to lose strictly
+            assert any(f32(d.score * w) < score for d in acc), f"{name} should have won: {acc} vs {draft}"
+        elif j > k:  # later sources must be able not to beat it
+            assert any(f32(d.score * w) <= score for d in acc), f"{name} should have won: {acc} vs {draft}"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    depth=st.integers(2, 8),
+    lead_in=st.integers(0, 3),
+    factor=st.sampled_from([1.0, 2.0]),
+    offset=st.sampled_from([0.0, 1.0]),
+    min_prob=st.sampled_from([0.0, 0.1, 0.3]),
+    group_trees=st.booleans(),
+    group_bias=st.sampled_from([1.0, 2.0]),
+    records=st.lists(st.tuples(st.sampled_from(["g0", "g1"]), tokens, tokens), max_size=6),
+    prompt=tokens,
+    generated=st.lists(st.integers(0, 3), max_size=6),
+    sibling=st.lists(st.integers(0, 3), max_size=8),
+    ctx_extra=st.lists(st.integers(0, 3), max_size=4),
+    max_tokens=st.integers(1, 8),
+)
+def test_drafts_match_brute_force_reference(depth, lead_in, factor, offset, min_prob, group_trees, group_bias,
+                                            records, prompt, generated, sibling, ctx_extra, max_tokens):
+    cfg = SuffixIndexConfig(max_tree_depth=depth, prompt_lead_in=lead_in, max_spec_factor=factor,
+                            max_spec_offset=offset, min_token_prob=min_prob, group_trees=group_trees,
+                            group_bias=group_bias)
+    log = CompletedSequenceLog()
+    inserted, by_group = [], {"g0": [], "g1": []}
+    for i, (g, p, r) in enumerate(records):
+        log.append(CompletedSequence.create(f"t{i}", g, 0, p, r))
+        ins = (p[-lead_in:] if lead_in else []) + r
+        inserted.append(ins)
+        by_group[g].append(ins)
+    index = GlobalSuffixIndex(cfg)
+    index.sync(log)
+    index.start_request("sib", [0], group_id="g1")
+    index.extend_request("sib", sibling)
+    index.start_request("me", prompt, group_id="g0", trajectory_id="traj")
+    index.extend_request("me", generated)
+    context = (prompt + generated + ctx_extra)[-depth:]
+    draft = index.speculate("me", prompt + generated + ctx_extra, max_tokens)
+    cands = _candidates_reference(
+        index, prompt + generated, by_group["g0"] if group_trees else [],
+        [s for s in (sibling, generated) if s], inserted, group_bias,
+    )
+    _check_selection(draft, cands, context, max_tokens, cfg)
+
+
+def _fill(log: CompletedSequenceLog, rng: np.random.Generator, n: int, version: int = 0, vocab: int = 5):
+    for i in range(n):
+        p = rng.integers(0, vocab, size=rng.integers(1, 20)).tolist()
+        r = rng.integers(0, vocab, size=rng.integers(1, 40)).tolist()
+        log.append(CompletedSequence.create(f"traj{log.last_seq}", f"g{i % 3}", version, p, r))
+
+
+def _drafts(index: GlobalSuffixIndex, contexts, max_tokens=8):
+    out = []
+    for i, ctx in enumerate(contexts):
+        rid = f"probe{i}"
+        index.start_request(rid, ctx[:3])
+        d = index.speculate(rid, ctx, max_tokens)
+        index.stop_request(rid)
+        out.append((tuple(d.token_ids), d.match_len, round(d.score, 6), d.source))
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=8),
+       budget=st.integers(40, 400), lag=st.sampled_from([None, 0, 1]), group_trees=st.booleans())
+def test_replicas_converge_whatever_the_batching(seed, chunks, budget, lag, group_trees):
+    rng = np.random.default_rng(seed)
+    log = CompletedSequenceLog()
+    for v in range(3):
+        _fill(log, rng, 8, version=v)
+        log.advance_policy_version(v + 1)
+    cfg = SuffixIndexConfig(max_tree_depth=6, token_budget=budget, max_policy_lag=lag, group_trees=group_trees)
+    a, b = GlobalSuffixIndex(cfg), GlobalSuffixIndex(cfg)
+    a.sync(log)
+    i = 0
+    while b.applied_seq < log.last_seq:  # b catches up in uneven chunks
+        b.sync(log, limit=chunks[i % len(chunks)])
+        i += 1
+    assert a.applied_seq == b.applied_seq == log.last_seq
+    assert a.stats()["records"] == b.stats()["records"]
+    contexts = [rng.integers(0, 5, size=10).tolist() for _ in range(40)]
+    assert _drafts(a, contexts) == _drafts(b, contexts)
+
+
+def test_sibling_turn_finished_on_engine_a_drafts_on_engine_b():
+    log = CompletedSequenceLog()
+    engine_a, engine_b = GlobalSuffixIndex(), GlobalSuffixIndex()
+    prompt = list(range(100, 140))
+    answer = list(range(500, 540))
+    engine_a.start_request("s1/turn0", prompt, group_id="task7", trajectory_id="s1")
+    engine_b.start_request("s7/turn0", prompt, group_id="task7", trajectory_id="s7")
+    before = engine_b.speculate("s7/turn0", prompt + answer[:4], 16)
+    assert before.token_ids == []
+    engine_a.extend_request("s1/turn0", answer)
+    engine_a.stop_request("s1/turn0")
+    log.append(CompletedSequence.create("s1", "task7", 0, prompt, answer))
+    engine_b.sync(log)
+    after = engine_b.speculate("s7/turn0", prompt + answer[:4], 16)
+    assert after.source == "global"
+    # the record's prompt lead-in extends the match past the 4 answer tokens: a full draft
+    assert after.token_ids == answer[4:20]
+
+
+def test_lead_in_lets_the_first_response_token_be_drafted():
+    prompt, answer = [7, 8, 9, 1, 2, 3], [40, 41, 42, 43]
+    for lead_in, expect in ((0, []), (3, answer[:4])):
+        log = CompletedSequenceLog()
+        log.append(CompletedSequence.create("a", "g", 0, prompt, answer))
+        index = GlobalSuffixIndex(prompt_lead_in=lead_in)
+        index.sync(log)
+        index.start_request("b", [5, 5, 1, 2, 3])
+        assert index.speculate("b", [5, 5, 1, 2, 3], 4).token_ids == expect
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(30, 300), frac=st.sampled_from([0.5, 0.75, 1.0]))
+def test_eviction_keeps_the_budget_and_drops_oldest_first(seed, budget, frac):
+    rng = np.random.default_rng(seed)
+    log = CompletedSequenceLog()
+    index = GlobalSuffixIndex(max_tree_depth=6, token_budget=budget, evict_to_fraction=frac, prompt_lead_in=0)
+    seen = []
+    for _ in range(30):
+        _fill(log, rng, 1)
+        seen.append(log.last_seq)
+        index.sync(log)
+        assert index.cached_tokens <= budget
+        held = list(index._records)  # survivors are the newest records, in order
+        assert held == seen[len(seen) - len(held):]
+    assert index.stats()["records_evicted"] > 0
+    # memory tracks the budget, not the history
+    small = GlobalSuffixIndex(max_tree_depth=6)
+    small.sync(log)
+    assert index.memory_bytes() < small.memory_bytes()
+
+
+def test_evicted_records_no_longer_draft():
+    log = CompletedSequenceLog()
+    old = list(range(10, 40))
+    log.append(CompletedSequence.create("old", "g", 0, [1], old))
+    index = GlobalSuffixIndex(token_budget=60, prompt_lead_in=0)
+    index.sync(log)
+    index.start_request("q", [0])
+    assert index.speculate("q", old[:5], 8).token_ids == old[5:13]
+    log.append(CompletedSequence.create("new", "g", 0, [1], list(range(100, 140))))
+    index.sync(log)
+    assert index.speculate("q", old[:5], 8).token_ids == []
+    assert index.num_records == 1
+
+
+def test_policy_lag_drops_old_versions():
+    log = CompletedSequenceLog()
+    log.append(CompletedSequence.create("a", "g", 0, [1], [20, 21, 22, 23, 24]))
+    index = GlobalSuffixIndex(max_policy_lag=1, prompt_lead_in=0)
+    index.sync(log)
+    log.advance_policy_version(1)
+    index.sync(log)
+    assert index.num_records == 1  # version 0 is within lag 1 of version 1
+    log.advance_policy_version(2)
+    index.sync(log)
+    assert index.num_records == 0
+    log.append(CompletedSequence.create("late", "g", 0, [1], [5, 6]))  # stale on arrival
+    index.sync(log)
+    assert index.num_records == 0 and index.stats()["records_stale_dropped"] == 2
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(50, 2000), group_trees=st.booleans())
+def test_save_load_round_trip_gives_identical_drafts(tmp_path_factory, seed, budget, group_trees):
+    rng = np.random.default_rng(seed)
+    log = CompletedSequenceLog()
+    _fill(log, rng, 25)
+    cfg = SuffixIndexConfig(max_tree_depth=6, token_budget=budget, group_trees=group_trees)
+    index = GlobalSuffixIndex(cfg)
+    index.sync(log)
+    path = index.save(tmp_path_factory.mktemp("idx") / "index.npz")
+    loaded = GlobalSuffixIndex.load(path)
+    assert loaded.applied_seq == index.applied_seq and loaded.config == index.config
+    contexts = [rng.integers(0, 5, size=8).tolist() for _ in range(40)]
+    assert _drafts(loaded, contexts) == _drafts(index, contexts)
+    # both continue from the log identically
+    _fill(log, rng, 5)
+    index.sync(log)
+    loaded.sync(log)
+    assert _drafts(loaded, contexts) == _drafts(index, contexts)
+
+
+def test_trajectory_tree_is_extended_across_turns_not_rebuilt():
+    index = GlobalSuffixIndex()
+    index.start_request("t/0", [1, 2, 3], trajectory_id="t")
+    index.extend_request("t/0", [4, 5, 6, 7])
+    index.stop_request("t/0")
+    tree_before = index._trajectories["traj:t"]
+    index.start_request("t/1", [1, 2, 3, 4, 5, 6, 7, 9, 9])
+    index.stop_request("t/1")
+    index.start_request("t/2", [1, 2, 3, 4, 5, 6, 7, 9, 9, 8], trajectory_id="t")
+    assert index._trajectories["traj:t"] is tree_before and tree_before.length == 10
+    # a prompt that does not extend it replaces it
+    index.stop_request("t/2")
+    index.start_request("t/3", [2, 2, 2], trajectory_id="t")
+    assert index._trajectories["traj:t"] is not tree_before
+
+
+# ------------------------------------------------------------------ bad input
+GOOD = dict(trajectory_id="t", group_id="g", policy_version=0, prompt_token_ids=[1, 2], response_token_ids=[3])
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(prompt_token_ids=[]), "prompt_token_ids"),
+        (dict(response_token_ids=[]), "response_token_ids"),
+        (dict(response_token_ids=[1, 2.5]), "response_token_ids[1]"),
+        (dict(response_token_ids=["a"]), "response_token_ids[0]"),
+        (dict(prompt_token_ids=[3, -1]), "prompt_token_ids[1]"),
+        (dict(prompt_token_ids=np.array([1.0, 2.0])), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1, 2**40]), "prompt_token_ids[1]"),
+        (dict(prompt_token_ids="hello"), "prompt_token_ids"),
+        (dict(response_token_ids=[True]), "response_token_ids[0]"),
+        (dict(policy_version=-1), "policy_version"),
+        (dict(trajectory_id=""), "trajectory_id"),
+        (dict(group_id=None), "group_id"),
+    ],
+)
+def test_bad_record_fields_are_named(change, field):
+    with pytest.raises(ValueError, match="^" + re.escape(field)):
+        CompletedSequence.create(**{**GOOD, **change})
+    with pytest.raises(ValueError, match=field.split("[")[0]):
+        CompletedSequenceLog().append({**GOOD, **change})
+
+
+@pytest.mark.parametrize("missing", list(GOOD))
+def test_record_missing_a_field_is_named(missing):
+    data = {k: v for k, v in GOOD.items() if k != missing}
+    with pytest.raises(ValueError, match=f"missing field '{missing}'"):
+        CompletedSequenceLog().append(data)
+
+
+def test_bad_requests_and_calls_are_named():
+    index = GlobalSuffixIndex()
+    with pytest.raises(ValueError, match="request_id: unknown request 'nope'"):
+        index.speculate("nope", [1, 2], 4)
+    with pytest.raises(ValueError, match="request_id: unknown"):
+        index.extend_request("nope", [1])
+    with pytest.raises(ValueError, match="request_id: unknown"):
+        index.stop_request("nope")
+    index.start_request("r", [1, 2])
+    with pytest.raises(ValueError, match="already active"):
+        index.start_request("r", [1, 2])
+    with pytest.raises(ValueError, match="^context"):
+        index.speculate("r", [], 4)
+    with pytest.raises(ValueError, match=r"^context\[1\]"):
+        index.speculate("r", [1, -5], 4)
+    with pytest.raises(ValueError, match="^max_tokens"):
+        index.speculate("r", [1, 2], -1)
+    with pytest.raises(ValueError, match=r"^token_ids\[0\]"):
+        index.extend_request("r", [0.5])
+    with pytest.raises(ValueError, match="^prompt_token_ids"):
+        index.start_request("r2", [])
+
+
+def test_bad_config_and_log_use_are_named(tmp_path):
+    with pytest.raises(ValueError, match="token_budget"):
+        SuffixIndexConfig(token_budget=0)
+    with pytest.raises(ValueError, match="evict_to_fraction"):
+        SuffixIndexConfig(evict_to_fraction=1.5)
+    with pytest.raises(ValueError, match="unknown key 'depth'"):
+        SuffixIndexConfig.from_dict({"depth": 3})
+    log = CompletedSequenceLog()
+    log.append(GOOD)
+    log.append(GOOD)
+    index = GlobalSuffixIndex()
+    with pytest.raises(ValueError, match="seq: expected entry 1, got 2"):
+        index.apply(log.read(1))
+    log.truncate(1)
+    with pytest.raises(LogTruncatedError, match="after_seq"):
+        log.read(0)
+    with pytest.raises(ValueError, match="policy_version"):
+        log.advance_policy_version(-3)
+    bad = tmp_path / "junk.npz"
+    bad.write_bytes(b"not an index")
+    with pytest.raises(ValueError, match="is not a saved suffix index"):
+        GlobalSuffixIndex.load(bad)
