@@ -102,7 +102,8 @@ def test_drafts_match_brute_force_reference(depth, lead_in, factor, offset, min_
     index.extend_request("sib", sibling)
     index.start_request("me", prompt, group_id="g0", trajectory_id="traj")
     index.extend_request("me", generated)
-    context = (prompt + generated + ctx_extra)[-depth:]
+    window = max(2, depth - max_tokens + 1)  # default match_window
+    context = (prompt + generated + ctx_extra)[-window:]
     draft = index.speculate("me", prompt + generated + ctx_extra, max_tokens)
     cands = _candidates_reference(
         index, prompt + generated, by_group["g0"] if group_trees else [],
@@ -349,3 +350,24 @@ def test_bad_config_and_log_use_are_named(tmp_path):
     bad.write_bytes(b"not an index")
     with pytest.raises(ValueError, match="is not a saved suffix index"):
         GlobalSuffixIndex.load(bad)
+
+
+def test_yaml_config_defaults_match_the_code_and_bad_keys_name_the_file(tmp_path):
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    assert SuffixIndexConfig.from_yaml(root / "configs" / "suffix_index.yaml") == SuffixIndexConfig()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_tree_depth: 16\ntree_depth: 3\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown key 'tree_depth'"):
+        SuffixIndexConfig.from_yaml(bad)
+    bad.write_text("max_tree_depth: '16'\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: key 'max_tree_depth' must be int"):
+        SuffixIndexConfig.from_yaml(bad)
+    bad.write_text("group_trees: 1\n")
+    with pytest.raises(ValueError, match=r"key 'group_trees' must be bool"):
+        SuffixIndexConfig.from_yaml(bad)
+    bad.write_text("token_budget: 0\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: SuffixIndexConfig.token_budget"):
+        SuffixIndexConfig.from_yaml(bad)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("max_spec_factor: 1\nmax_policy_lag: 2\n")
+    assert SuffixIndexConfig.from_yaml(ok).max_policy_lag == 2

@@ -40,9 +40,11 @@ DEFAULT_TRACES = ROOT.parent / "shared" / "traces" / "tau_airline_dev.json"
 
 # Variants of WAR's index to show where its gain comes from (--ablations).
 ABLATIONS = {
-    "war_global_vllm_params": dict(max_tree_depth=24),
+    "war_global_vllm_params": dict(max_tree_depth=24, max_spec_factor=1.0, prompt_lead_in=0),
+    "war_global_full_window": dict(match_window=32),
+    "war_global_depth_64": dict(max_tree_depth=64),
     "war_global_lead_in_0": dict(prompt_lead_in=0),
-    "war_global_lead_in_16": dict(prompt_lead_in=16),
+    "war_global_factor_1": dict(max_spec_factor=1.0),
     "war_global_group_trees": dict(group_trees=True, group_bias=1.0),
     "war_global_group_bias_2": dict(group_trees=True, group_bias=2.0),
     "war_global_no_live": dict(live_responses=False),
@@ -58,13 +60,17 @@ def build_proposer(name: str, engines: int, index_config: SuffixIndexConfig):
         return PerEngineSuffixProposer(engines)
     if name == "war_global":
         return WarGlobalProposer(engines, index_config)
+    if name == "per_engine_suffix_factor_2":  # vLLM's per-engine trees with WAR's draft-length rule
+        proposer = PerEngineSuffixProposer(engines, max_spec_factor=2.0)
+        proposer.name = name
+        return proposer
     if name in ABLATIONS:
         cfg = SuffixIndexConfig(**{**index_config.__dict__, **ABLATIONS[name]})
         proposer = WarGlobalProposer(engines, cfg)
         proposer.name = name
         return proposer
     raise ValueError(f"--configs: unknown config '{name}' (known: none, ngram, per_engine_suffix, war_global, "
-                     f"{', '.join(ABLATIONS)})")
+                     f"per_engine_suffix_factor_2, {', '.join(ABLATIONS)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     index_config = SuffixIndexConfig()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if args.ablations:
-        names += [n for n in ABLATIONS if n not in names]
+        names += [n for n in ["per_engine_suffix_factor_2", *ABLATIONS] if n not in names]
     results = {}
     for name in names:
         try:

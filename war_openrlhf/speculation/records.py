@@ -30,6 +30,13 @@ def as_token_array(value: Any, field: str, *, allow_empty: bool = False) -> np.n
     (unless ``allow_empty``), non-integer values (floats, bools, strings), negative
     ids, or ids beyond int32.
     """
+    if type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == 1 and value.size:
+        # fast path (hot: every speculate call): int32 cannot overflow, only check sign
+        if value.min() < 0:
+            i = int(np.argmax(value < 0))
+            raise ValueError(f"{field}[{i}]: token ids must be >= 0, got {int(value[i])}")
+        if value.flags.c_contiguous and value.flags.writeable:
+            return value
     if isinstance(value, (str, bytes)) or value is None:
         raise ValueError(f"{field}: expected a sequence of token ids (ints), got {type(value).__name__}")
     if isinstance(value, np.ndarray):
