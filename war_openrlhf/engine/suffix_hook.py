@@ -85,6 +85,7 @@ memory); ``war_apply_log`` rejects the triples with a pointer to it. In-process,
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -93,6 +94,8 @@ import numpy as np
 from war_openrlhf.speculation.index import Draft, GlobalSuffixIndex, SuffixIndexConfig
 from war_openrlhf.speculation.log import CompletedSequenceLog, LogEntry
 from war_openrlhf.speculation.records import CompletedSequence
+
+from .spec_switch import SpecSwitch, SpecSwitchConfig
 
 __all__ = [
     "EXTRA_ARGS_KEY",
@@ -103,6 +106,8 @@ __all__ = [
     "WarWorkerExtension",
     "entries_from_wire",
     "entries_to_wire",
+    "tensors_from_wire",
+    "tensors_to_wire",
     "war_engine_kwargs",
     "war_extra_args",
     "war_speculative_config",
@@ -118,6 +123,8 @@ OPENRLHF_WORKER_EXTENSION = "war_openrlhf.engine.suffix_hook.OpenRLHFWarWorkerWr
 EXTRA_ARGS_KEY = "war"
 
 _SOURCES = ("request", "group", "live", "global")
+#: ``auto``: the load-aware switch decides; ``on``/``off``: forced.
+SPEC_MODES = ("auto", "on", "off")
 _WIRE_DTYPE = np.dtype("<i4")
 
 
@@ -224,6 +231,35 @@ def entries_from_wire(items: Iterable[LogEntry | Mapping[str, Any]]) -> list[Log
                 _tokens_from_wire(rec["response_token_ids"], f"entries[{i}].record.response_token_ids"),
             )
         out.append(LogEntry(seq=int(item["seq"]), record=record, policy_version=item.get("policy_version")))
+    return out
+
+
+def tensors_to_wire(named_tensors: Iterable[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """``(name, tensor)`` pairs as msgpack-safe dicts (raw bytes + dtype + shape):
+    collective_rpc does not round-trip tensors inside untyped arguments."""
+    import torch
+
+    out = []
+    for name, tensor in named_tensors:
+        t = tensor.detach().to("cpu").contiguous()
+        dtype = str(t.dtype).removeprefix("torch.")
+        raw = t.view(torch.uint8) if t.dtype == torch.bfloat16 else t
+        out.append({"name": str(name), "dtype": dtype, "shape": list(t.shape), "data": raw.numpy().tobytes()})
+    return out
+
+
+def tensors_from_wire(items: Iterable[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    import torch
+
+    out = []
+    for i, item in enumerate(items):
+        try:
+            dtype = getattr(torch, item["dtype"])
+            buf = bytearray(item["data"])
+            t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.zeros(0, dtype=torch.uint8)
+            out.append((str(item["name"]), t.view(dtype).reshape(item["shape"])))
+        except (KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            raise ValueError(f"weights[{i}]: not a tensors_to_wire() item ({exc})") from None
     return out
 
 
@@ -477,7 +513,12 @@ class WarWorkerExtension:
         return cache
 
     # -------------------------------------------------------------- RPCs
-    def war_install_index(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def war_install_index(
+        self,
+        config: Mapping[str, Any] | None = None,
+        switch_config: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+    ) -> dict[str, Any]:
         """Replace the drafter's ``suffix_cache`` by a fresh, empty replica built
         from ``config`` (``SuffixIndexConfig`` fields); returns its stats.
 
@@ -505,8 +546,78 @@ class WarWorkerExtension:
         # The proposer slices the match pattern to its own max_tree_depth.
         drafter.max_tree_depth = max(int(drafter.max_tree_depth), index.config.max_tree_depth)
         self._war_suffix_cache = cache
+        if switch_config is not None or not hasattr(self, "_war_switch"):
+            self._war_switch = SpecSwitch(SpecSwitchConfig(**dict(switch_config or {})))
+        if mode is not None:
+            self._war_set_mode(mode)
+        elif not hasattr(self, "_war_mode"):
+            self._war_mode = "on" if cache.enabled else "off"
+        self._war_wrap_propose(drafter)
+        self._war_apply_mode()
         logger.info("war: drafts now come from a GlobalSuffixIndex replica (%s)", index.config)
         return self.war_index_stats()
+
+    # -------------------------------------------------------------- load-aware switch
+    def _war_set_mode(self, mode: str) -> str:
+        if mode not in SPEC_MODES:
+            raise ValueError(f"mode: '{mode}' is not one of {', '.join(SPEC_MODES)}")
+        previous = getattr(self, "_war_mode", "on")
+        self._war_mode = mode
+        return previous
+
+    def _war_apply_mode(self) -> None:
+        mode = getattr(self, "_war_mode", "on")
+        switch = getattr(self, "_war_switch", None)
+        self._war_cache().enabled = mode == "on" or (mode == "auto" and switch is not None and switch.speculate)
+
+    def _war_wrap_propose(self, drafter: Any) -> None:
+        """Time every engine step at the drafter (called once per step, after
+        sampling) and feed the switch: the gap between the end of one ``propose``
+        and the start of the next is one forward pass over ``requests + drafts``
+        query tokens. Steps that also prefilled a new request are not fed (their
+        cost is the prompt's). The switch's decision applies from the next step."""
+        if getattr(drafter, "_war_wrapped", False):
+            return
+        original = drafter.propose
+        worker = self
+        state = {"end": None, "drafted": 0}
+
+        def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
+            now = time.perf_counter()
+            cache = getattr(worker, "_war_suffix_cache", None)
+            switch = getattr(worker, "_war_switch", None)
+            if cache is not None and switch is not None and state["end"] is not None:
+                requests = sum(1 for ids in sampled_token_ids if ids)
+                prefill = requests < len(sampled_token_ids) or any(
+                    rid not in cache.active_requests for rid in input_batch.req_ids[: len(sampled_token_ids)]
+                )
+                if requests and not prefill:
+                    accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
+                    switch.observe(requests, state["drafted"], accepted, now - state["end"])
+                    worker._war_apply_mode()
+            drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+            state["drafted"] = sum(len(d) for d in drafts)
+            state["end"] = time.perf_counter()
+            return drafts
+
+        drafter.propose = propose
+        drafter._war_wrapped = True
+
+    def war_set_mode(self, mode: str) -> str:
+        """``auto`` (the load-aware switch decides), ``on`` or ``off``; returns the previous mode."""
+        self._war_cache()
+        previous = self._war_set_mode(mode)
+        self._war_apply_mode()
+        return previous
+
+    def war_load_weights(self, wire_tensors: Sequence[Mapping[str, Any]]) -> int:
+        """Load :func:`tensors_to_wire` tensors (HF names) into the model; returns how many."""
+        weights = tensors_from_wire(wire_tensors)
+        # vLLM's in-place reload: checkpoint-format weights go through each layer's
+        # weight_loader and the post-load processing again (on CPU the linear layers
+        # are repacked after loading, so a plain model.load_weights would fail).
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return len(weights)
 
     def war_apply_log(self, entries: Sequence[LogEntry | Mapping[str, Any]]) -> int:
         """Apply log entries (``entries_to_wire`` dicts or ``LogEntry``) in order;
@@ -514,9 +625,11 @@ class WarWorkerExtension:
         return self._war_cache().index.apply(entries_from_wire(entries))
 
     def war_set_speculation(self, enabled: bool) -> bool:
-        """Switch drafting on/off; returns the previous state."""
+        """Force drafting on/off (mode ``on``/``off``); returns whether it was drafting."""
         cache = self._war_cache()
-        previous, cache.enabled = cache.enabled, bool(enabled)
+        previous = cache.enabled
+        self._war_set_mode("on" if enabled else "off")
+        self._war_apply_mode()
         return previous
 
     def war_index_stats(self, reset: bool = False) -> dict[str, Any]:
@@ -526,6 +639,11 @@ class WarWorkerExtension:
         if cache is None:
             return {"installed": False}
         out = {"installed": True, "rank": int(getattr(self, "rank", 0)), **cache.stats()}
+        out["mode"] = getattr(self, "_war_mode", "on")
+        switch = getattr(self, "_war_switch", None)
+        if switch is not None:
+            out["switch"] = switch.stats()
+            out["switch"]["curve"] = [list(p) for p in switch.curve.points()]
         out["num_speculative_tokens"] = int(self._war_drafter().num_speculative_tokens)
         if reset:
             cache.reset_stats()

