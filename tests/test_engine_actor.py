@@ -159,6 +159,31 @@ def test_auto_mode_decides_from_measured_step_latency(engine):
     ray.get(engine.set_speculation.remote("on"))
 
 
+def test_switch_above_its_threshold_proposes_nothing_and_below_it_does(engine):
+    """Fallback rule only (measurements never count: min_samples is huge): batch <= 1
+    speculates, batch >= 6 does not, and vLLM's draft counters show it."""
+    import ray
+
+    ray.get(engine.set_speculation.remote("auto"))
+    ray.get(engine.set_switch.remote(dict(fallback_max_batch=3, fallback_hysteresis_requests=1,
+                                          min_samples=10**9, window_steps=2, explore_every=0, calibrate=False)))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(10, 500, size=10).tolist() for _ in range(8)]
+    sp = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
+    ray.get([engine.generate_tokens.remote(p, sp) for p in prompts])  # high load: switch goes off
+    before = _totals(engine)
+    ray.get([engine.generate_tokens.remote(p, sp) for p in prompts])
+    high = _totals(engine)
+    assert high["war"]["switch"]["decision_reason"] == "fallback"
+    assert high["spec_draft_tokens"] - before["spec_draft_tokens"] <= 8 * 8  # at most the first window
+    for p in prompts[:3]:
+        _gen(engine, p)  # batch 1: back on
+    low = _totals(engine)
+    assert low["spec_draft_tokens"] - high["spec_draft_tokens"] > 50
+    ray.get(engine.set_switch.remote({}))
+    ray.get(engine.set_speculation.remote("on"))
+
+
 def test_update_weights_changes_outputs_and_logprobs_follow_the_new_weights(engine, hf_model):
     import ray
     import torch

@@ -198,7 +198,7 @@ def test_greedy_lossless_speculation_on(war, prompts, reference):
 
 
 def test_greedy_lossless_speculation_switched_off(war, prompts, reference):
-    """Switched off, the proposer proposes nothing and vLLM counts no drafts."""
+    """Switched off, nothing is proposed (the proposer is skipped) and vLLM counts no drafts."""
     llm, client = war
     _apply_corrupted_records(client, prompts, reference)  # drafts would be available
     assert client.set_speculation(False) is True
@@ -216,9 +216,9 @@ def test_greedy_lossless_speculation_switched_off(war, prompts, reference):
     assert outs == reference["batch"]
     assert after == before  # num_drafts, num_draft_tokens, num_accepted_tokens unchanged
     assert not stats["enabled"]
-    assert stats["disabled_calls"] >= NEW_TOKENS - 1  # the proposer was asked every step...
-    assert sum(stats["draft_tokens"].values()) == 0  # ...and got nothing
-    assert stats["requests_started"] == len(QUESTIONS)  # requests are still tracked
+    # switched off, the worker skips the proposer's per-request work altogether
+    assert stats["speculate_calls"] == 0 and stats["requests_started"] == 0
+    assert sum(stats["draft_tokens"].values()) == 0 and stats["active_requests"] == 0
 
 
 def test_sharing_a_record_from_another_engine(war, prompts, reference):

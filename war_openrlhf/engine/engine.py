@@ -292,6 +292,12 @@ class WarEngine:
             raise ValueError("set_speculation: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
         return await self._rpc("war_set_mode", mode)
 
+    async def set_switch(self, switch: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace the load-aware switch's settings (its measurements start afresh)."""
+        if self.config.speculation == "vllm_suffix":
+            raise ValueError("set_switch: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        return await self._rpc("war_set_switch", dict(switch))
+
     async def stats(self) -> dict[str, Any]:
         logger = self._stats_logger
         out: dict[str, Any] = {

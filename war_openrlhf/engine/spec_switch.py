@@ -7,22 +7,21 @@ costs real time and speculation slows the engine down. Which regime an engine is
 depends on the model, the hardware, the batch and the contexts, so it is measured,
 not configured.
 
-Model. One engine step's latency is a function of the tokens it processes,
-``T(n)`` with ``n = requests + draft tokens`` (a forward pass over ``n`` query
-tokens). The curve is learnt online from every step, speculating or not, as an EWMA
-per log-spaced bucket of ``n`` with linear interpolation. Speculation emits
-``1 + a`` tokens per request-step, with ``a`` the mean accepted draft tokens per
-request-step (measured while speculating). For a batch of ``b`` requests drafting
-``d`` tokens each on average, the expected gain is
+Model. For each batch-size bucket (log-spaced, two per doubling) the switch keeps an
+online estimate (EWMA) of the step latency with speculation, ``T_on(b)`` (at the
+draft lengths the engine actually proposes), and without, ``T_off(b)``, and of the
+accepted draft tokens per request-step ``a(b)``. Speculation emits ``1 + a`` tokens
+per request-step instead of 1, so the expected gain at batch ``b`` is
 
-    gain(b) = (1 + a) * T(b) / T(b + b * d)
+    gain(b) = (1 + a(b)) * T_off(b) / T_on(b)
 
 Speculation stays on while ``gain > threshold + hysteresis`` and goes off when
-``gain < threshold - hysteresis``. Until both points of the curve are measured for
-the current batch, the fallback rule applies: speculate iff the batch is at most
-``fallback_max_batch`` (same hysteresis, in requests). Every ``explore_every``
-windows the switch flips for one window so that both sides of the curve, and the
-acceptance, stay fresh. Decisions are taken once per ``window_steps`` steps.
+``gain < threshold - hysteresis``. A bucket missing one side is calibrated by running
+that side for a window (``calibrate``), or, with calibration off, decided by the
+fallback rule: speculate iff the batch is at most ``fallback_max_batch`` (same
+hysteresis, in requests). Every ``explore_every`` windows the other side runs for one
+window, so estimates follow the workload. Decisions are taken once per
+``window_steps`` steps, from the window's mean batch.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ class SpecSwitchConfig:
     explore_every: int = 16
     ewma: float = 0.2
     min_samples: int = 3
+    calibrate: bool = True
     enabled: bool = True  # False: never speculate (a kill switch, not a load rule)
 
     def __post_init__(self) -> None:
@@ -66,60 +66,78 @@ class SpecSwitchConfig:
             raise bad("ewma", "must be in (0, 1]")
 
 
-def _bucket(n: float) -> int:
-    """Log-spaced buckets, 4 per doubling: fine enough to interpolate a knee."""
-    return int(round(4 * math.log2(max(n, 1.0))))
+def _bucket(batch: float) -> int:
+    """Two buckets per doubling of the batch: 1, 1.4, 2, 2.8, 4, ..."""
+    return int(round(2 * math.log2(max(batch, 1.0))))
 
 
-def _bucket_center(b: int) -> float:
-    return 2.0 ** (b / 4)
+def _bucket_batch(b: int) -> float:
+    return 2.0 ** (b / 2)
 
 
 @dataclass
-class LatencyCurve:
-    """EWMA step latency per bucket of tokens processed, interpolated between buckets."""
+class _Arm:
+    """EWMA of one side (speculating or not) in one batch bucket."""
+
+    seconds: float = 0.0
+    accepted: float = 0.0  # accepted draft tokens per request-step
+    drafted: float = 0.0  # draft tokens per request-step
+    samples: int = 0
+
+    def add(self, seconds: float, accepted: float, drafted: float, ewma: float) -> None:
+        if self.samples == 0:
+            self.seconds, self.accepted, self.drafted = seconds, accepted, drafted
+        else:
+            self.seconds += ewma * (seconds - self.seconds)
+            self.accepted += ewma * (accepted - self.accepted)
+            self.drafted += ewma * (drafted - self.drafted)
+        self.samples += 1
+
+
+@dataclass
+class LatencyTable:
+    """Step latency per (batch bucket, speculating) and acceptance while speculating."""
 
     ewma: float = 0.2
     min_samples: int = 3
-    _mean: dict[int, float] = field(default_factory=dict)
-    _count: dict[int, int] = field(default_factory=dict)
+    arms: dict[tuple[int, bool], _Arm] = field(default_factory=dict)
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+    def observe(self, batch: int, speculating: bool, seconds: float, accepted: float = 0.0,
+                drafted: float = 0.0) -> None:
+        if batch <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return
-        b = _bucket(tokens)
-        n = self._count.get(b, 0)
-        mean = self._mean.get(b)
-        if mean is not None and n >= self.min_samples and seconds > 10 * mean:
+        arm = self.arms.setdefault((_bucket(batch), speculating), _Arm())
+        if arm.samples >= self.min_samples and seconds > 10 * arm.seconds:
             return  # an idle gap or a hiccup, not a step
-        self._mean[b] = seconds if mean is None else (1 - self.ewma) * mean + self.ewma * seconds
-        self._count[b] = n + 1
+        arm.add(seconds, accepted, drafted, self.ewma)
 
-    def known(self, tokens: float) -> bool:
-        """A measured bucket at or around ``tokens`` (interpolation needs both sides)."""
-        b = _bucket(tokens)
-        if self._count.get(b, 0) >= self.min_samples:
-            return True
-        ready = [k for k, c in self._count.items() if c >= self.min_samples]
-        return any(k < b for k in ready) and any(k > b for k in ready)
+    def ready(self, batch: float, speculating: bool) -> bool:
+        arm = self.arms.get((_bucket(batch), speculating))
+        return arm is not None and arm.samples >= self.min_samples
 
-    def __call__(self, tokens: float) -> float:
-        ready = sorted(k for k, c in self._count.items() if c >= self.min_samples)
-        if not ready:
-            raise LookupError("no measured step latency yet")
-        b = 4 * math.log2(max(tokens, 1.0))
-        lo = max((k for k in ready if k <= b), default=None)
-        hi = min((k for k in ready if k >= b), default=None)
-        if lo is None:
-            return self._mean[hi]
-        if hi is None or hi == lo:
-            return self._mean[lo]
-        w = (b - lo) / (hi - lo)
-        return (1 - w) * self._mean[lo] + w * self._mean[hi]
+    def gain(self, batch: float) -> float | None:
+        b = _bucket(batch)
+        on, off = self.arms.get((b, True)), self.arms.get((b, False))
+        if on is None or off is None or min(on.samples, off.samples) < self.min_samples:
+            return None
+        return (1.0 + on.accepted) * off.seconds / on.seconds
 
-    def points(self) -> list[tuple[float, float, int]]:
-        """(tokens, seconds, samples) per bucket, for reports and plots."""
-        return [(_bucket_center(k), self._mean[k], self._count[k]) for k in sorted(self._mean)]
+    def points(self) -> list[dict[str, float]]:
+        """Per bucket: batch, seconds off/on, accepted and drafted per request-step, gain."""
+        out = []
+        for b in sorted({k[0] for k in self.arms}):
+            on, off = self.arms.get((b, True)), self.arms.get((b, False))
+            out.append({
+                "batch": _bucket_batch(b),
+                "seconds_off": off.seconds if off else None,
+                "seconds_on": on.seconds if on else None,
+                "accepted_per_request_step": on.accepted if on else None,
+                "drafted_per_request_step": on.drafted if on else None,
+                "samples_off": off.samples if off else 0,
+                "samples_on": on.samples if on else 0,
+                "gain": self.gain(_bucket_batch(b)),
+            })
+        return out
 
 
 class SpecSwitch:
@@ -130,15 +148,13 @@ class SpecSwitch:
 
     def __init__(self, config: SpecSwitchConfig | None = None) -> None:
         self.config = config or SpecSwitchConfig()
-        self.curve = LatencyCurve(self.config.ewma, self.config.min_samples)
+        self.table = LatencyTable(self.config.ewma, self.config.min_samples)
         self.speculate = self.config.enabled
-        self._accepted_per_req = None  # EWMA accepted draft tokens per request-step
-        self._drafted_per_req = None  # EWMA draft tokens per request-step (while speculating)
-        self._batch = 0.0  # EWMA running requests
+        self._window_batch = 0.0
         self._steps_in_window = 0
         self._windows = 0
-        self._exploring = False
-        self._explore_from = self.speculate
+        self._override: bool | None = None  # calibration / exploration window in progress
+        self._decided = self.speculate  # the rule's decision, outside those windows
         self.last_gain: float | None = None
         self.last_reason = "start"
         self.steps = 0
@@ -146,83 +162,72 @@ class SpecSwitch:
         self.decisions = 0
 
     # ------------------------------------------------------------------ inputs
-    def observe(self, requests: int, drafted: int, accepted: int, seconds: float) -> None:
+    def observe(self, requests: int, drafted: int, accepted: int, seconds: float,
+                speculating: bool | None = None) -> None:
         """One engine step: ``requests`` decoded, ``drafted`` draft tokens verified
-        (summed over requests), ``accepted`` of them accepted, in ``seconds``."""
+        (summed over requests), ``accepted`` of them accepted, in ``seconds``.
+        ``speculating``: whether drafting was on for this step (default: drafted > 0);
+        a step with drafting on that found no draft still counts as speculating."""
         if requests <= 0:
             return
-        a = self.config.ewma
         self.steps += 1
-        self.curve.observe(requests + drafted, seconds)
-        self._batch = requests if self._batch == 0 else (1 - a) * self._batch + a * requests
+        if speculating is None:
+            speculating = drafted > 0
         if drafted > 0:
             self.spec_steps += 1
-            acc, dr = accepted / requests, drafted / requests
-            self._accepted_per_req = acc if self._accepted_per_req is None else (1 - a) * self._accepted_per_req + a * acc
-            self._drafted_per_req = dr if self._drafted_per_req is None else (1 - a) * self._drafted_per_req + a * dr
+        self.table.observe(requests, speculating, seconds, accepted / requests, drafted / requests)
+        self._window_batch += requests
         self._steps_in_window += 1
         if self._steps_in_window >= self.config.window_steps:
+            self._decide(self._window_batch / self._steps_in_window)
+            self._window_batch = 0.0
             self._steps_in_window = 0
-            self._decide()
 
     # ------------------------------------------------------------------ decision
     def expected_gain(self, batch: float) -> float | None:
         """Throughput with speculation / without, at ``batch`` requests; None if unknown."""
-        if self._accepted_per_req is None or self._drafted_per_req is None:
-            return None
-        n_off, n_on = batch, batch * (1 + self._drafted_per_req)
-        if not (self.curve.known(n_off) and self.curve.known(n_on)):
-            return None
-        return (1 + self._accepted_per_req) * self.curve(n_off) / self.curve(n_on)
+        return self.table.gain(batch)
 
-    def _decide(self) -> None:
+    def _decide(self, batch: float) -> None:
         cfg = self.config
         self.decisions += 1
         self._windows += 1
+        self._override = None
         if not cfg.enabled:
-            self.speculate, self.last_reason = False, "disabled"
+            self.speculate = self._decided = False
+            self.last_reason = "disabled"
             return
-        if self._exploring:  # an exploration window ends: back to the decision rule
-            self._exploring = False
-            self.speculate = self._explore_from
-        gain = self.expected_gain(self._batch)
+        gain = self.table.gain(batch)
         self.last_gain = gain
         if gain is not None:
-            if self.speculate and gain < cfg.threshold - cfg.hysteresis:
-                self.speculate = False
-            elif not self.speculate and gain > cfg.threshold + cfg.hysteresis:
-                self.speculate = True
+            if self._decided and gain < cfg.threshold - cfg.hysteresis:
+                self._decided = False
+            elif not self._decided and gain > cfg.threshold + cfg.hysteresis:
+                self._decided = True
             self.last_reason = "measured"
+        elif cfg.calibrate:
+            # run the side this batch bucket has not measured yet
+            self._override = not self.table.ready(batch, True)
+            self.last_reason = "calibrating"
         else:
-            if self.speculate and self._batch > cfg.fallback_max_batch + cfg.fallback_hysteresis_requests:
-                self.speculate = False
-            elif not self.speculate and self._batch < cfg.fallback_max_batch - cfg.fallback_hysteresis_requests:
-                self.speculate = True
+            if self._decided and batch > cfg.fallback_max_batch + cfg.fallback_hysteresis_requests:
+                self._decided = False
+            elif not self._decided and batch < cfg.fallback_max_batch - cfg.fallback_hysteresis_requests:
+                self._decided = True
             self.last_reason = "fallback"
-        if cfg.explore_every and self._windows % cfg.explore_every == 0:
-            self._exploring = True
-            self._explore_from = self.speculate
-            self.speculate = not self.speculate
+        if self._override is None and cfg.explore_every and self._windows % cfg.explore_every == 0:
+            self._override = not self._decided
             self.last_reason += "+explore"
+        self.speculate = self._decided if self._override is None else self._override
 
     # ------------------------------------------------------------------ reporting
     @property
     def current_threshold_batch(self) -> float | None:
-        """The batch size above which speculation stops paying, from the curve (or None)."""
-        if self.expected_gain(1) is None:
-            return None
-        lo_gain = self.expected_gain(1)
-        if lo_gain is None or lo_gain <= self.config.threshold:
-            return 0.0
-        b = 1.0
-        while b < 4096:
-            g = self.expected_gain(b * 2)
-            if g is None:
-                return None
-            if g <= self.config.threshold:
-                return b * 2
-            b *= 2
-        return math.inf
+        """Smallest measured batch at which speculation stops paying (None: never seen)."""
+        for p in self.table.points():
+            if p["gain"] is not None and p["gain"] <= self.config.threshold:
+                return p["batch"]
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -230,12 +235,10 @@ class SpecSwitch:
             "spec_step_fraction": self.spec_steps / self.steps if self.steps else 0.0,
             "expected_gain": self.last_gain,
             "decision_reason": self.last_reason,
-            "batch_ewma": self._batch,
-            "accepted_per_request_step": self._accepted_per_req,
-            "drafted_per_request_step": self._drafted_per_req,
             "threshold": self.config.threshold,
             "threshold_batch": self.current_threshold_batch,
             "decisions": self.decisions,
             "steps": self.steps,
+            "spec_steps": self.spec_steps,
             "config": asdict(self.config),
         }

@@ -331,9 +331,10 @@ class WarSuffixCache:
       ``in_batch(req_id)``, that turn is stopped first and its tree continued;
       a trajectory held by a request still in the batch (``n > 1`` siblings share
       ``extra_args``) gets a per-request tree instead.
-    - ``enabled = False``: ``speculate`` returns empty drafts (the engine then runs
-      plain decoding) while requests keep being tracked, so re-enabling mid-request
-      drafts from full contexts.
+    - ``enabled = False``: ``speculate`` returns empty drafts. Inside an engine the
+      worker extension goes further and skips vLLM's proposer while drafting is off
+      (releasing the requests; they restart from their prompts when it comes back),
+      because at high load the per-request proposer work is a real share of a step.
 
     It also counts what it drafted and how much of it was accepted, per source:
     after a draft, the request's next ``add_active_response`` carries the accepted
@@ -572,36 +573,56 @@ class WarWorkerExtension:
 
     def _war_wrap_propose(self, drafter: Any) -> None:
         """Time every engine step at the drafter (called once per step, after
-        sampling) and feed the switch: the gap between the end of one ``propose``
-        and the start of the next is one forward pass over ``requests + drafts``
-        query tokens. Steps that also prefilled a new request are not fed (their
-        cost is the prompt's). The switch's decision applies from the next step."""
+        sampling) and feed the switch: the interval between the starts of two
+        ``propose`` calls is one whole engine cycle (drafting, scheduling, the forward
+        pass over ``requests + drafts`` query tokens, sampling and verification, output
+        processing), which is what speculation must pay for. Steps that also
+        prefilled a new request are not fed (their cost is the prompt's). The
+        switch's decision applies from the next step."""
         if getattr(drafter, "_war_wrapped", False):
             return
         original = drafter.propose
         worker = self
-        state = {"end": None, "drafted": 0}
+        state = {"start": None, "drafted": 0, "enabled": False, "seen": set()}
 
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             now = time.perf_counter()
             cache = getattr(worker, "_war_suffix_cache", None)
             switch = getattr(worker, "_war_switch", None)
-            if cache is not None and switch is not None and state["end"] is not None:
+            if cache is not None and switch is not None and state["start"] is not None:
                 requests = sum(1 for ids in sampled_token_ids if ids)
                 prefill = requests < len(sampled_token_ids) or any(
-                    rid not in cache.active_requests for rid in input_batch.req_ids[: len(sampled_token_ids)]
+                    rid not in state["seen"] for rid in input_batch.req_ids[: len(sampled_token_ids)]
                 )
                 if requests and not prefill:
                     accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
-                    switch.observe(requests, state["drafted"], accepted, now - state["end"])
+                    switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"])
                     worker._war_apply_mode()
+            state["enabled"] = bool(cache is not None and cache.enabled)
+            state["seen"] = set(input_batch.req_ids[: len(sampled_token_ids)])
+            if cache is not None and not cache.enabled:
+                # Off: skip the proposer's per-request work entirely (at high load it is
+                # a real share of the step). Requests are released; when drafting comes
+                # back, vLLM's proposer restarts them from their prompts.
+                for rid in list(cache.active_requests):
+                    cache.stop_request(rid)
+                state["drafted"] = 0
+                state["start"] = now
+                return [[] for _ in sampled_token_ids]
             drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             state["drafted"] = sum(len(d) for d in drafts)
-            state["end"] = time.perf_counter()
+            state["start"] = now
             return drafts
 
         drafter.propose = propose
         drafter._war_wrapped = True
+
+    def war_set_switch(self, switch_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace the load-aware switch (fresh measurements); returns its stats."""
+        self._war_cache()
+        self._war_switch = SpecSwitch(SpecSwitchConfig(**dict(switch_config)))
+        self._war_apply_mode()
+        return self._war_switch.stats()
 
     def war_set_mode(self, mode: str) -> str:
         """``auto`` (the load-aware switch decides), ``on`` or ``off``; returns the previous mode."""
@@ -632,6 +653,20 @@ class WarWorkerExtension:
         self._war_apply_mode()
         return previous
 
+    def war_seed_vllm_suffix_cache(self, items: Sequence[Mapping[str, Any]]) -> int:
+        """Baselines: put earlier responses into vLLM's *own* per-engine suffix cache
+        (``{"prompt": bytes, "response": bytes}`` int32 items), as if this engine had
+        generated them. Only before :meth:`war_install_index`."""
+        if getattr(self, "_war_suffix_cache", None) is not None:
+            raise RuntimeError("war_seed_vllm_suffix_cache: a WAR index is installed; this is for vLLM's own cache")
+        cache = self._war_drafter().suffix_cache
+        for i, item in enumerate(items):
+            rid = f"war-seed-{i}-{time.monotonic_ns()}"
+            cache.start_request(rid, _tokens_from_wire(item["prompt"], f"items[{i}].prompt"))
+            cache.add_active_response(rid, _tokens_from_wire(item["response"], f"items[{i}].response"))
+            cache.stop_request(rid)
+        return len(items)
+
     def war_index_stats(self, reset: bool = False) -> dict[str, Any]:
         """The adapter's counters and the replica's ``stats()``; ``reset`` zeroes the
         counters after reading them. ``installed`` is False before an install."""
@@ -643,7 +678,7 @@ class WarWorkerExtension:
         switch = getattr(self, "_war_switch", None)
         if switch is not None:
             out["switch"] = switch.stats()
-            out["switch"]["curve"] = [list(p) for p in switch.curve.points()]
+            out["switch"]["table"] = switch.table.points()
         out["num_speculative_tokens"] = int(self._war_drafter().num_speculative_tokens)
         if reset:
             cache.reset_stats()
