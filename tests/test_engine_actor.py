@@ -234,3 +234,25 @@ def test_answers_every_method_openrlhfs_trainer_calls_on_its_rollout_actor():
         our_params = list(inspect.signature(ours).parameters)
         assert our_params[: len(theirs_params)] == theirs_params, (name, our_params, theirs_params)
         assert inspect.iscoroutinefunction(ours) == inspect.iscoroutinefunction(getattr(cls, name)), name
+
+
+def test_engine_yaml_defaults_match_the_code_and_bad_keys_name_the_file(tmp_path):
+    cfg = EngineConfig.from_yaml(ROOT / "configs" / "engine.yaml")
+    assert cfg == EngineConfig()
+    bad = tmp_path / "e.yaml"
+    bad.write_text("model: m\nmax_len: 3\n")
+    with pytest.raises(ValueError, match=r"e.yaml: unknown key 'max_len'"):
+        EngineConfig.from_yaml(bad)
+    bad.write_text("max_model_len: '4096'\n")
+    with pytest.raises(ValueError, match=r"e.yaml: key 'max_model_len' must be int"):
+        EngineConfig.from_yaml(bad)
+    bad.write_text("switch: {window: 3}\n")
+    with pytest.raises(ValueError, match=r"e.yaml: switch: unknown key 'window'"):
+        EngineConfig.from_yaml(bad)
+    bad.write_text("index: {max_tree_depth: 0}\n")
+    with pytest.raises(ValueError, match=r"e.yaml: index: SuffixIndexConfig.max_tree_depth"):
+        EngineConfig.from_yaml(bad)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("model: /m\ncpu_core: 1\nswitch: {threshold: 1.2, hysteresis: 0.1}\n")
+    cfg = EngineConfig.from_yaml(ok)
+    assert cfg.cpu_core == 1 and cfg.switch.threshold == 1.2

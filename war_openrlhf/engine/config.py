@@ -69,14 +69,65 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "EngineConfig") -> "EngineConfig":
+        """Build from a mapping; an unknown key or a wrong type names the key and ``source``."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
+        defaults = cls()
         known = {f.name for f in fields(cls)}
-        for key in data:
+        data = dict(data)
+        for key, value in data.items():
             if key not in known:
                 raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
-        return cls(**data)
+            default = getattr(defaults, key)
+            if key == "index":
+                data[key] = SuffixIndexConfig.from_dict(value or {}, source=f"{source}: index")
+            elif key == "switch":
+                data[key] = _switch_from_dict(value or {}, f"{source}: switch")
+            elif not _type_ok(value, default, key == "cpu_core"):
+                raise ValueError(f"{source}: key '{key}' must be {type(default).__name__}, got {value!r}")
+        try:
+            return cls(**data)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
+        import yaml
+
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.from_dict({**data, **overrides}, source=str(path))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _type_ok(value: Any, default: Any, nullable: bool = False) -> bool:
+    if value is None:
+        return nullable
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int) or (default is None and nullable):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
+def _switch_from_dict(data: Any, source: str) -> SpecSwitchConfig:
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
+    defaults = SpecSwitchConfig()
+    known = {f.name for f in fields(SpecSwitchConfig)}
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
+        if not _type_ok(value, getattr(defaults, key)):
+            raise ValueError(f"{source}: key '{key}' must be {type(getattr(defaults, key)).__name__}, got {value!r}")
+    try:
+        return SpecSwitchConfig(**data)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
