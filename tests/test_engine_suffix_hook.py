@@ -57,6 +57,7 @@ from war_openrlhf.engine.suffix_hook import (  # noqa: E402
     war_extra_args,
 )
 from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, LogEntry  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
@@ -71,13 +72,7 @@ TIMINGS: dict[str, float] = {}
 
 
 # ============================================================== helpers
-def _spec_counters(llm) -> dict[str, float]:
-    out = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
-    for m in llm.get_metrics():
-        name = m.name.removeprefix("vllm:spec_decode_")
-        if name in out:
-            out[name] += m.value
-    return out
+_spec_counters = spec_decode_counters
 
 
 def _delta(after: dict, before: dict) -> dict:

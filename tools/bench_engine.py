@@ -38,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 from war_openrlhf.metrics import format_table, write_json  # noqa: E402
+from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 
 CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_auto")
 
@@ -49,13 +50,7 @@ def _perturb(tokens, every, vocab):
     return bad
 
 
-def _spec(llm):
-    out = {"num_drafts": 0.0, "num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
-    for m in llm.get_metrics():
-        name = m.name.removeprefix("vllm:spec_decode_")
-        if name in out:
-            out[name] += m.value
-    return out
+_spec = spec_decode_counters
 
 
 def prompt_sets(prompts, batches, repeats):
