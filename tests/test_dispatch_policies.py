@@ -1,0 +1,376 @@
+"""Tests of war_openrlhf.dispatch: the five turn-dispatch policies and the block-hash index."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from war_openrlhf.dispatch import (POLICIES, EngineState, NoHealthyEngineError, TurnRequest,
+                                   make_policy)
+from war_openrlhf.dispatch.block_index import (BLOCK_SIZE, BlockHashIndex, TrajectoryChain,
+                                               chain_hashes)
+
+
+def states(loads, queued=None, healthy=None, cap=1 << 20, pending=None):
+    n = len(loads)
+    queued = queued or [0] * n
+    healthy = healthy or [True] * n
+    pending = pending or [0] * n
+    return [EngineState(i, loads[i], 0, queued[i], cap, pending[i], healthy[i]) for i in range(n)]
+
+
+def req(tid, ctx, group="g", turn=0, so_far=0, expected=None):
+    return TurnRequest(tid, group, np.asarray(ctx, dtype=np.int32), turn, so_far, expected)
+
+
+def toks(*parts):
+    return np.concatenate([np.asarray(p, dtype=np.int32) for p in parts])
+
+
+# ---------------------------------------------------------------- registry / configuration
+def test_registry_has_five_policies():
+    assert set(POLICIES) == {"round_robin", "least_loaded", "sticky", "sglang_cache_aware", "war"}
+    for name in POLICIES:
+        assert make_policy(name, 3).name == name
+
+
+def test_unknown_policy_names_known_ones():
+    with pytest.raises(ValueError, match="unknown dispatch policy 'nope'.*round_robin"):
+        make_policy("nope", 2)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("n", [0, -3])
+def test_nonpositive_engine_count(name, n):
+    with pytest.raises(ValueError, match="num_engines"):
+        make_policy(name, n)
+
+
+def test_negative_capacities():
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        make_policy("war", 2, kv_capacity_tokens=-16)
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        make_policy("war", 2, kv_capacity_tokens=[1024, -1])
+    with pytest.raises(ValueError, match="lru_capacity"):
+        make_policy("sticky", 2, lru_capacity=-1)
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        EngineState(0, 0, 0, 0, -5)
+    with pytest.raises(ValueError, match="bad configuration"):
+        make_policy("round_robin", 2, bogus=1)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_healthy_engine_raises(name):
+    pol = make_policy(name, 2)
+    with pytest.raises(NoHealthyEngineError, match="no healthy engine"):
+        pol.choose(req("t", range(40)), states([0, 0], healthy=[False, False]))
+    with pytest.raises(ValueError, match="no engines"):
+        pol.choose(req("t", range(40)), [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(POLICIES)),
+       steps=st.lists(st.tuples(st.lists(st.booleans(), min_size=4, max_size=4),
+                                st.lists(st.integers(0, 200), min_size=4, max_size=4),
+                                st.integers(0, 5), st.integers(1, 90)),
+                      min_size=1, max_size=25))
+def test_never_returns_unhealthy_engine(name, steps):
+    pol = make_policy(name, 4)
+    ctx = {}
+    for health, loads, traj, grow in steps:
+        if not any(health):
+            continue
+        tid = f"t{traj}"
+        ctx[tid] = toks(ctx.get(tid, np.arange(32) % 7), np.arange(grow) % 11)
+        r = req(tid, ctx[tid], group=f"g{traj % 2}")
+        eid = pol.choose(r, states(loads, queued=[10 * x for x in loads], healthy=health))
+        assert health[eid], (name, eid, health)
+        pol.on_turn_finished(r, eid, np.arange(5, dtype=np.int32))
+
+
+# ---------------------------------------------------------------- round robin
+def test_round_robin_cycles_and_skips_unhealthy():
+    pol = make_policy("round_robin", 3)
+    got = [pol.choose(req("t", [1, 2]), states([0, 0, 0])) for _ in range(7)]
+    assert got == [0, 1, 2, 0, 1, 2, 0]
+    got = [pol.choose(req("t", [1, 2]), states([0, 0, 0], healthy=[True, False, True]))
+           for _ in range(4)]
+    assert got == [2, 0, 2, 0]
+
+
+# ---------------------------------------------------------------- least loaded (OpenRLHF)
+def test_least_loaded_places_groups_with_heap_and_keeps_turns():
+    pol = make_policy("least_loaded", 3, n_samples_per_prompt=4)
+    snap = states([5, 1, 3])
+    # group A -> engine 1 (load 1 -> 5), group B -> engine 2 (3 -> 7), group C -> engine 0.
+    assert pol.choose(req("a0", [1], group="A"), snap) == 1
+    assert pol.choose(req("a1", [1], group="A"), snap) == 1  # sibling: same engine, no new load
+    assert pol.choose(req("b0", [2], group="B"), snap) == 2
+    assert pol.choose(req("c0", [3], group="C"), snap) == 0
+    # Later turns of group A stay on engine 1 even when it is now the most loaded.
+    busy = states([0, 500, 0])
+    for t in range(1, 5):
+        for tid in ("a0", "a1", "a2"):
+            assert pol.choose(req(tid, [1, 2, 3], group="A", turn=t), busy) == 1
+    # A new batch snapshots again.
+    pol.start_batch()
+    assert pol.choose(req("d0", [4], group="D"), states([9, 9, 2])) == 2
+
+
+def test_least_loaded_replaces_group_when_engine_unhealthy():
+    pol = make_policy("least_loaded", 2)
+    assert pol.choose(req("a0", [1], group="A"), states([0, 5])) == 0
+    assert pol.choose(req("a0", [1], group="A", turn=1),
+                      states([0, 5], healthy=[False, True])) == 1
+
+
+# ---------------------------------------------------------------- sticky (verl)
+def test_sticky_keeps_affinity_and_places_new_by_inflight():
+    pol = make_policy("sticky", 3)
+    assert pol.choose(req("t1", [1]), states([4, 2, 3])) == 1
+    assert pol.choose(req("t2", [1]), states([4, 9, 3])) == 2
+    for _ in range(3):  # affinity regardless of load
+        assert pol.choose(req("t1", [1, 2]), states([0, 99, 0])) == 1
+        assert pol.choose(req("t2", [1, 2]), states([0, 0, 99])) == 2
+
+
+def test_sticky_lru_evicts_least_recently_used():
+    pol = make_policy("sticky", 3, lru_capacity=2)
+    assert pol.choose(req("t1", [1]), states([0, 1, 1])) == 0
+    assert pol.choose(req("t2", [1]), states([1, 0, 1])) == 1
+    assert pol.choose(req("t1", [1]), states([9, 9, 9])) == 0  # touch t1: t2 is now LRU
+    assert pol.choose(req("t3", [1]), states([1, 1, 0])) == 2  # evicts t2
+    assert len(pol) == 2 and pol.engine_of("t2") is None and pol.engine_of("t1") == 0
+    assert pol.choose(req("t2", [1]), states([0, 5, 5])) == 0  # re-placed, affinity lost
+
+
+# ---------------------------------------------------------------- SGLang cache-aware
+PROMPT = np.arange(1000, 1200)
+
+
+def test_sglang_imbalanced_picks_shortest_queue_and_still_inserts():
+    pol = make_policy("sglang_cache_aware", 2)
+    assert pol.choose(req("x", PROMPT), states([0, 0])) == 0  # empty trees: smallest -> 0
+    # 100 vs 10: diff 90 > 64 and 100 > 1.5*10 -> shortest queue despite engine 0's prefix.
+    assert pol.choose(req("y", toks(PROMPT, [1, 2, 3])), states([100, 10])) == 1
+    assert pol.last_decision == "shortest_queue"
+    assert pol.tree.size_of(1) == len(PROMPT) + 3
+    # Not imbalanced when only one threshold is exceeded (diff 60 <= 64).
+    assert pol.choose(req("z", toks(PROMPT, [7])), states([70, 10])) in (0, 1)
+    assert pol.last_decision == "cache_match"
+
+
+def test_sglang_balanced_best_match_above_threshold():
+    pol = make_policy("sglang_cache_aware", 3)
+    other = np.arange(5000, 5300)
+    assert pol.choose(req("a", other), states([0, 0, 0])) == 0
+    assert pol.choose(req("b", np.arange(7000, 7300)), states([0, 0, 0])) == 1
+    assert pol.choose(req("c", PROMPT), states([0, 0, 0])) == 2  # smallest tree (0 tokens)
+    # 200 of 260 tokens match on engine 2 (rate 0.77 > 0.3): cache match, despite load 30 vs 0.
+    assert pol.choose(req("d", toks(PROMPT, np.arange(60))), states([0, 0, 30])) == 2
+    assert pol.last_decision == "cache_match"
+
+
+def test_sglang_below_threshold_smallest_tree():
+    pol = make_policy("sglang_cache_aware", 3)
+    pol.choose(req("a", np.arange(0, 500)), states([0, 0, 0]))       # -> 0, size 500
+    pol.choose(req("b", np.arange(600, 700)), states([0, 0, 0]))     # -> 1, size 100
+    pol.choose(req("c", np.arange(800, 1100)), states([0, 0, 0]))    # -> 2, size 300
+    assert [pol.tree.size_of(i) for i in range(3)] == [500, 100, 300]
+    # 50 of 500 tokens match engine 0 (rate 0.1 <= 0.3): smallest tree = engine 1.
+    assert pol.choose(req("d", toks(np.arange(0, 50), np.arange(20000, 20450))),
+                      states([0, 0, 0])) == 1
+    assert pol.last_decision == "smallest_tree"
+
+
+def test_sglang_tree_matches_and_evicts_lru_leaves():
+    pol = make_policy("sglang_cache_aware", 1, max_tree_size=300)
+    pol.choose(req("a", np.arange(0, 200)), states([0]))
+    pol.choose(req("b", toks(np.arange(0, 100), np.arange(500, 600))), states([0]))  # split
+    assert pol.tree.size_of(0) == 300
+    assert pol.tree.match_per_tenant(toks(np.arange(0, 150), [9]))[0] == 150
+    pol.choose(req("c", np.arange(900, 1000)), states([0]))  # 400 > 300: evict LRU leaf (a's)
+    assert pol.tree.size_of(0) <= 300
+    m = pol.tree.match_per_tenant(np.arange(0, 200))
+    assert m[0] == 100  # a's leaf [100, 200) evicted, shared [0, 100) kept
+    assert pol.tree.match_per_tenant(toks(np.arange(0, 100), np.arange(500, 600)))[0] == 200
+
+
+# ---------------------------------------------------------------- block-hash index
+seq_strategy = st.lists(st.integers(0, 3), min_size=0, max_size=120)
+
+
+@settings(max_examples=60, deadline=None)
+@given(base=seq_strategy, chunks=st.lists(seq_strategy, min_size=1, max_size=6))
+def test_incremental_chain_equals_full_rehash(base, chunks):
+    tc = TrajectoryChain()
+    ctx = np.asarray(base, dtype=np.int32)
+    tc.sync(ctx)
+    for i, c in enumerate(chunks):
+        if i % 2:
+            tc.extend(np.asarray(c, dtype=np.int32))  # response appended via on_turn_finished
+            ctx = toks(ctx, c)
+        else:
+            ctx = toks(ctx, c)
+            tc.sync(ctx)
+        assert tc.hashes == chain_hashes(ctx)
+    assert tc.rehashes == 0
+    # A context that is not an append-only extension (last tokens rewritten, or truncated)
+    # is detected by the O(1) check and rehashed correctly.
+    if len(ctx) > 20:
+        ctx2 = ctx.copy()
+        ctx2[-1] += 1
+        tc.sync(ctx2)
+        assert tc.hashes == chain_hashes(ctx2) and tc.rehashes == 1
+        tc.sync(ctx2[:-5])
+        assert tc.hashes == chain_hashes(ctx2[:-5]) and tc.rehashes == 2
+
+
+def _lcp(a, b):
+    n = min(len(a), len(b))
+    neq = np.flatnonzero(a[:n] != b[:n])
+    return int(neq[0]) if len(neq) else n
+
+
+@settings(max_examples=60, deadline=None)
+@given(cached=st.lists(st.tuples(st.integers(0, 3), seq_strategy, seq_strategy), max_size=8),
+       queries=st.lists(st.tuples(seq_strategy, seq_strategy), min_size=1, max_size=5))
+def test_block_index_matches_brute_force_prefix(cached, queries):
+    # Sequences share prefixes (small alphabet, common stems) so matches are non-trivial.
+    stems = [np.zeros(48, dtype=np.int32), np.arange(40, dtype=np.int32) % 2]
+    idx = BlockHashIndex(4, [10 ** 6] * 4)
+    on_engine = {e: [] for e in range(4)}
+    for i, (e, a, b) in enumerate(cached):
+        seq = toks(stems[i % 2], a, b)
+        idx.touch(e, chain_hashes(seq))
+        on_engine[e].append(seq)
+    for j, (a, b) in enumerate(queries):
+        q = toks(stems[j % 2], a, b)
+        got = idx.match_all(chain_hashes(q), 0b1111)
+        for e in range(4):
+            brute = max((_lcp(q, s) // BLOCK_SIZE for s in on_engine[e]), default=0)
+            assert got.get(e, 0) == brute, (e, got, brute)
+
+
+def test_block_index_lru_respects_capacity_and_recency():
+    idx = BlockHashIndex(2, [10, 10])
+    a = chain_hashes(np.full(5 * 16, 1, dtype=np.int32))
+    b = chain_hashes(np.full(5 * 16, 2, dtype=np.int32))
+    c = chain_hashes(np.full(5 * 16, 3, dtype=np.int32))
+    idx.touch(0, a)
+    idx.touch(0, b)
+    idx.touch(0, a)  # a is now more recent than b
+    idx.touch(0, c)  # 15 blocks > 10: b goes
+    assert idx.cached_blocks(0) == 10
+    assert idx.matched_blocks(0, a) == 5 and idx.matched_blocks(0, c) == 5
+    assert idx.matched_blocks(0, b) == 0
+    # A chain longer than the capacity keeps its prefix (leaves are evicted first).
+    long = chain_hashes(np.arange(40 * 16, dtype=np.int32))
+    idx.touch(1, long)
+    assert idx.cached_blocks(1) == 10 and idx.matched_blocks(1, long) == 10
+    # Reverse map consistent with the LRUs.
+    for h, mask in idx.holders.items():
+        assert mask and all(((mask >> e) & 1) == (h in idx.lru[e]) for e in range(2))
+    assert all(h in idx.holders for e in range(2) for h in idx.lru[e])
+
+
+@settings(max_examples=30, deadline=None)
+@given(cap=st.integers(0, 30), seqs=st.lists(st.tuples(st.integers(0, 2), seq_strategy),
+                                           min_size=1, max_size=10))
+def test_war_index_never_exceeds_kv_capacity(cap, seqs):
+    pol = make_policy("war", 3, kv_capacity_tokens=cap * BLOCK_SIZE)
+    for i, (e, s) in enumerate(seqs):
+        r = req(f"t{i}", toks(np.arange(64) % 5, s))
+        pol.on_turn_finished(r, e, np.arange(20, dtype=np.int32))
+        assert all(pol.index.cached_blocks(k) <= cap for k in range(3))
+
+
+# ---------------------------------------------------------------- WAR policy
+def _war(**kw):
+    kw.setdefault("kv_capacity_tokens", 1 << 20)
+    return make_policy("war", 3, **kw)
+
+
+def test_war_prefers_engine_holding_prefix():
+    pol = _war()
+    prompt = np.arange(2000, dtype=np.int32)
+    first = pol.choose(req("s0", prompt, group="G"), states([0, 0, 0]))
+    assert first == 0
+    # Sibling with the same prompt: engine 0 holds it (recorded at dispatch), wins over idle ones
+    # even with some load there.
+    assert pol.choose(req("s1", prompt, group="G"), states([3, 0, 0], queued=[100, 0, 0])) == 0
+    # A trajectory whose turns ran on engine 2 comes back to engine 2's cache.
+    ctx = toks(np.arange(5000, 8000))
+    pol.on_turn_finished(req("u", ctx), 2, np.arange(50))
+    assert pol.choose(req("v", toks(ctx, np.arange(50), [1, 2, 3])), states([0, 0, 0])) == 2
+    assert pol.cached_tokens(2, ctx) == (len(ctx) // 16) * 16
+
+
+def test_war_stays_when_balanced_moves_when_overloaded():
+    pol = _war()
+    ctx = np.arange(3000, dtype=np.int32)
+    r0 = req("t", ctx, turn=0)
+    assert pol.choose(r0, states([0, 0, 0])) == 0
+    pol.on_turn_finished(r0, 0, np.arange(100))
+    ctx = toks(ctx, np.arange(100), np.arange(200))
+    # Balanced (equal queues): stays.
+    assert pol.choose(req("t", ctx, turn=1), states([5, 5, 5], queued=[500] * 3)) == 0
+    # Mildly heavier: saving 4*200 = 800 < recompute ~3100 -> stays.
+    assert pol.choose(req("t", ctx, turn=1), states([5, 5, 5], queued=[700, 500, 500])) == 0
+    assert pol.moves == 0
+    # Overloaded: saving 4*10000 >> recompute -> moves to the least queued engine.
+    assert pol.choose(req("t", ctx, turn=1), states([50, 5, 5],
+                                                    queued=[10500, 500, 400])) == 2
+    assert pol.moves == 1
+
+
+def test_war_pending_turns_count_as_load():
+    pol = _war()
+    assert pol.choose(req("t", np.arange(100)), states([0, 0, 0], pending=[3, 0, 1])) == 1
+
+
+def test_war_late_trajectories_keep_their_cache():
+    ctx = np.arange(2000, dtype=np.int32)
+    # Queue difference of 900 tokens: saving 3600 > 1.06*1999 + 512 early, < 2*1999 + 512 late.
+    q = [900, 0, 0]
+    for turn, expect in ((1, 1), (16, 0)):
+        pol = _war()
+        pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
+        assert pol.choose(req("t", ctx, turn=turn), states([0, 0, 0], queued=q)) == expect, turn
+    # Same via expected_tokens: 95% through its expected tokens -> stays.
+    pol = _war()
+    pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
+    assert pol.choose(req("t", ctx, turn=1, so_far=950, expected=1000),
+                      states([0, 0, 0], queued=q)) == 0
+
+
+def test_war_unhealthy_current_engine_forces_move():
+    pol = _war()
+    ctx = np.arange(500, dtype=np.int32)
+    pol.on_turn_finished(req("t", ctx), 1, np.arange(10))
+    assert pol.choose(req("t", ctx, turn=1), states([0, 0, 0],
+                                                    healthy=[True, False, True])) in (0, 2)
+
+
+def test_war_capacity_from_snapshot():
+    pol = make_policy("war", 2)  # capacities taken from EngineState
+    st_ = states([0, 0], cap=32)  # 2 blocks each
+    r = req("t", np.arange(400))
+    e = pol.choose(r, st_)
+    assert pol.index.cached_blocks(e) == 2
+    pol.on_turn_finished(r, e, np.arange(100))
+    assert pol.index.cached_blocks(e) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(cached=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), max_size=8),
+       qlen=st.integers(0, 40),
+       hint=st.dictionaries(st.integers(0, 3), st.integers(-2, 45), max_size=4))
+def test_block_index_hint_never_changes_the_answer(cached, qlen, hint):
+    base = np.arange(45 * 16, dtype=np.int32)
+    idx = BlockHashIndex(4, [30] * 4)  # with eviction
+    for e, nb in cached:
+        idx.touch(e, chain_hashes(base[:nb * 16]))
+    chain = chain_hashes(base[:qlen * 16])
+    assert idx.match_all(chain, 0b1111, hint) == idx.match_all(chain, 0b1111)

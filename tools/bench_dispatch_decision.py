@@ -1,0 +1,107 @@
+"""Decision-cost benchmark of the dispatch policies (not a test; timings are machine-dependent).
+
+    python tools/bench_dispatch_decision.py [--engines 32] [--trajectories 64] [--max-context 65536]
+
+Workload: groups of 8 trajectories share an 8k-token prompt; every turn appends a 300-token
+response and a 700-token tool output, until the context reaches --max-context (64k: ~57 turns).
+Turns are interleaved across trajectories (one round = one turn of every live trajectory);
+engine snapshots carry loads that either drift (--loads walk, default: each engine's request
+count moves by -1/0/+1 per decision, queued_tokens = 400 per request) or are redrawn i.i.d. in
+[0, 64) every decision (--loads iid, a stress case that makes WAR move most trajectories). Reports p50/p99 of choose() per policy, overall and for
+contexts >= 32k tokens, and WAR's on_turn_finished() cost (O(context blocks), outside choose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from war_openrlhf.dispatch import EngineState, TurnRequest, make_policy  # noqa: E402
+
+POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "war"]
+
+
+def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8192,
+        response=300, tool=700, loads_model="walk"):
+    rng = np.random.default_rng(seed)
+    walk = rng.integers(16, 48, engines).astype(np.int64)
+    pol = make_policy(name, engines)
+    ngroups = max(1, trajectories // group_size)
+    prompts = [rng.integers(0, 150000, prompt, dtype=np.int32) for _ in range(ngroups)]
+    # Pre-generate each trajectory's full token stream; a turn's context is a prefix of it.
+    streams, bounds = [], []
+    for t in range(trajectories):
+        body = rng.integers(0, 150000, max_context - prompt, dtype=np.int32)
+        streams.append(np.concatenate([prompts[t % ngroups], body]))
+        b, n = [], prompt
+        while n + response <= max_context:
+            b.append(n)
+            n += response + tool
+        bounds.append(b)
+    choose_us, big_us, finish_us = [], [], []
+    nturns = max(len(b) for b in bounds)
+    for turn in range(nturns):
+        for t in range(trajectories):
+            if turn >= len(bounds[t]):
+                continue
+            n = bounds[t][turn]
+            ctx = streams[t][:n]
+            req = TurnRequest(f"t{t}", f"g{t % ngroups}", ctx, turn, turn * response,
+                              len(bounds[t]) * response)
+            if loads_model == "iid":  # stress: independent loads every turn -> many moves
+                loads = rng.integers(0, 64, engines)
+            else:  # persistent loads drifting by -1/0/+1 request per decision
+                walk = np.clip(walk + rng.integers(-1, 2, engines), 0, 64)
+                loads = walk
+            snap = [EngineState(i, int(loads[i]), 0, int(loads[i]) * 400, 2_000_000,
+                                int(rng.integers(0, 4))) for i in range(engines)]
+            t0 = time.perf_counter_ns()
+            eid = pol.choose(req, snap)
+            dt = (time.perf_counter_ns() - t0) / 1e3
+            choose_us.append(dt)
+            if n >= 32768:
+                big_us.append(dt)
+            resp = streams[t][n:n + response]
+            t0 = time.perf_counter_ns()
+            pol.on_turn_finished(req, eid, resp)
+            finish_us.append((time.perf_counter_ns() - t0) / 1e3)
+    for t in range(trajectories):
+        pol.on_trajectory_finished(f"t{t}")
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
+    return {
+        "policy": name, "moves": getattr(pol, "moves", None), "turns": len(choose_us),
+        "p50_us": pct(choose_us, 50), "p99_us": pct(choose_us, 99),
+        "p50_us_ctx>=32k": pct(big_us, 50), "p99_us_ctx>=32k": pct(big_us, 99),
+        "finish_p50_us": pct(finish_us, 50), "finish_p99_us": pct(finish_us, 99),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", type=int, default=32)
+    ap.add_argument("--trajectories", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=65536)
+    ap.add_argument("--policies", nargs="*", default=POLICY_ORDER)
+    ap.add_argument("--loads", choices=["walk", "iid"], default="walk")
+    args = ap.parse_args()
+    print(f"loads={args.loads} engines={args.engines} trajectories={args.trajectories} "
+          f"max_context={args.max_context}")
+    print(f"{'policy':20s} {'turns':>6s} {'p50us':>8s} {'p99us':>8s} {'p50>=32k':>9s} "
+          f"{'p99>=32k':>9s} {'fin_p50':>8s} {'fin_p99':>8s}")
+    for name in args.policies:
+        r = run(name, args.engines, args.trajectories, args.max_context,
+                loads_model=args.loads)
+        print(f"{name:20s} {r['turns']:6d} {r['p50_us']:8.1f} {r['p99_us']:8.1f} "
+              f"{r['p50_us_ctx>=32k']:9.1f} {r['p99_us_ctx>=32k']:9.1f} "
+              f"{r['finish_p50_us']:8.1f} {r['finish_p99_us']:8.1f}"
+              + (f"  moves={r['moves']}" if r["moves"] is not None else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Turn dispatch for multi-engine agentic rollouts: one interface, five policies.
+
+``make_policy(name, num_engines, **kwargs)`` builds one of:
+
+- ``round_robin``: next healthy engine, per turn.
+- ``least_loaded``: OpenRLHF 0.11.2 -- a group to the engine with the fewest unfinished
+  requests (heap over a snapshot, load += n), all its turns stay there.
+- ``sticky``: verl -- LRU(10000) trajectory -> engine, new ones to the fewest in-flight.
+- ``sglang_cache_aware``: SGLang router ``cache_aware`` over token ids.
+- ``war``: WAR's cache- and queue-aware placement with hysteresis and a tail bias.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+from .base import DispatchPolicy, EngineState, NoHealthyEngineError, TurnRequest
+from .least_loaded import LeastLoadedPolicy
+from .round_robin import RoundRobinPolicy
+from .sglang_cache_aware import SGLangCacheAwarePolicy
+from .sticky import StickyPolicy
+from .war import WARPolicy
+
+POLICIES: Dict[str, Type[DispatchPolicy]] = {
+    cls.name: cls
+    for cls in (RoundRobinPolicy, LeastLoadedPolicy, StickyPolicy, SGLangCacheAwarePolicy,
+                WARPolicy)
+}
+
+
+def make_policy(name: str, num_engines: int, **kwargs) -> DispatchPolicy:
+    """Build a dispatch policy by name; ValueError for an unknown name or bad configuration."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown dispatch policy {name!r}; known: {sorted(POLICIES)}")
+    if not isinstance(num_engines, int) or isinstance(num_engines, bool) or num_engines <= 0:
+        raise ValueError(f"num_engines must be a positive int, got {num_engines!r}")
+    for key, val in kwargs.items():
+        if "capacity" in key:
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            for v in vals:
+                if v is not None and v < 0:
+                    raise ValueError(f"{key} must be >= 0, got {val!r}")
+    try:
+        return cls(num_engines, **kwargs)
+    except TypeError as exc:  # unknown keyword
+        raise ValueError(f"bad configuration for {name!r}: {exc}") from exc
+
+
+__all__ = ["DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
+           "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy",
+           "SGLangCacheAwarePolicy", "WARPolicy"]
