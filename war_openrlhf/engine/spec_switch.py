@@ -21,7 +21,9 @@ that side for a window (``calibrate``), or, with calibration off, decided by the
 fallback rule: speculate iff the batch is at most ``fallback_max_batch`` (same
 hysteresis, in requests). Every ``explore_every`` windows the other side runs for one
 window, so estimates follow the workload. Decisions are taken once per
-``window_steps`` steps, from the window's mean batch.
+``window_steps`` steps, from the window's mean batch. The first ``settle_steps`` steps
+after a change of side are not measured: they still carry the other side's state
+(requests restarting their draft trees, drafts proposed before the change).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SpecSwitchConfig:
     ewma: float = 0.2
     min_samples: int = 3
     calibrate: bool = True
+    settle_steps: int = 2
     enabled: bool = True  # False: never speculate (a kill switch, not a load rule)
 
     def __post_init__(self) -> None:
@@ -54,7 +57,7 @@ class SpecSwitchConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(name, "must be an int >= 1")
-        for name in ("fallback_max_batch", "fallback_hysteresis_requests", "explore_every"):
+        for name in ("fallback_max_batch", "fallback_hysteresis_requests", "explore_every", "settle_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(name, "must be an int >= 0")
@@ -155,6 +158,8 @@ class SpecSwitch:
         self._windows = 0
         self._override: bool | None = None  # calibration / exploration window in progress
         self._decided = self.speculate  # the rule's decision, outside those windows
+        self._last_side: bool | None = None
+        self._settling = 0
         self.last_gain: float | None = None
         self.last_reason = "start"
         self.steps = 0
@@ -175,7 +180,12 @@ class SpecSwitch:
             speculating = drafted > 0
         if drafted > 0:
             self.spec_steps += 1
-        self.table.observe(requests, speculating, seconds, accepted / requests, drafted / requests)
+        if speculating != self._last_side:
+            self._last_side, self._settling = speculating, self.config.settle_steps
+        if self._settling > 0:
+            self._settling -= 1  # the first steps after a change carry the other side's state
+        else:
+            self.table.observe(requests, speculating, seconds, accepted / requests, drafted / requests)
         self._window_batch += requests
         self._steps_in_window += 1
         if self._steps_in_window >= self.config.window_steps:
