@@ -1,0 +1,198 @@
+"""Tests of war_openrlhf.simulation.cluster: the discrete-event multi-engine rollout simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from war_openrlhf.dispatch import DispatchPolicy
+from war_openrlhf.simulation.cluster import (ConservationError, Ledger, SimConfig, _Engine, _Req,
+                                             _Traj, simulate)
+from war_openrlhf.simulation.cost_model import PRESETS, CostModel, get_preset
+from war_openrlhf.traces import TokenizedTrajectory, Turn
+
+TRACES = Path("/work/shared/traces/tau_airline_dev.json")
+
+
+def make_traj(tid, gid, prompt, n_turns, resp_len, env_len, seed):
+    """Turns over one append-only stream: prompt, then response + env tokens per turn."""
+    rng = np.random.default_rng(seed)
+    parts = [np.asarray(prompt, dtype=np.int32)]
+    spans = []
+    n = len(prompt)
+    for t in range(n_turns):
+        resp = rng.integers(0, 50_000, resp_len, dtype=np.int32)
+        env = rng.integers(0, 50_000, env_len if t + 1 < n_turns else 0, dtype=np.int32)
+        spans.append((n, resp_len, len(env)))
+        parts += [resp, env]
+        n += resp_len + len(env)
+    s = np.concatenate(parts)
+    turns = [Turn(s[:c], s[c:c + r], e) for c, r, e in spans]
+    return TokenizedTrajectory(tid, gid, turns)
+
+
+def workload(groups=4, trials=2, turns=4, prompt_len=256, resp=32, env=48, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, 50_000, prompt_len, dtype=np.int32)
+        for k in range(trials):
+            out.append(make_traj(f"g{g}t{k}", f"g{g}", prompt, turns, resp, env,
+                                 seed * 1000 + g * 10 + k))
+    return out
+
+
+def cfg(**kw):
+    base = dict(num_engines=2, preset="h100_qwen7b", tool_delay_s=0.05, per_env_token_s=1e-4)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_presets_derivations():
+    h = get_preset("h100_qwen7b")
+    assert h.step_overhead_s == pytest.approx(4.55e-3, rel=0.01)
+    assert h.kv_read_per_token_s == pytest.approx(57344 / 3.35e12)
+    assert h.kv_capacity_tokens == 900_000
+    c = get_preset("cpu_tiny")
+    # Calibrated on the measured 699 tok/s at batch 1 and 11,282 tok/s at batch 32.
+    assert 1 / c.step_time(1, 0, 0) == pytest.approx(699, rel=0.01)
+    assert 32 / c.step_time(32, 0, 0) == pytest.approx(11282, rel=0.01)
+
+
+def test_determinism_same_seed():
+    trajs = workload()
+    a = simulate(trajs, "war", cfg(seed=3))
+    b = simulate(trajs, "war", cfg(seed=3))
+    assert a.deterministic_dict() == b.deterministic_dict()
+    c = simulate(trajs, "war", cfg(seed=4))
+    assert c.makespan_s != a.makespan_s  # the tool-delay jitter depends on the seed
+    assert a.generated_tokens == sum(len(t.response_token_ids) for x in trajs for t in x.turns)
+    assert a.turns == sum(len(x.turns) for x in trajs)
+
+
+def test_ledger_catches_broken_accounting():
+    led = Ledger({("a", 0): 2, ("a", 1): 1}, {"a": 2})
+    led.token(("a", 0))
+    with pytest.raises(ConservationError, match="finished with 1 of 2"):
+        led.turn_finished(("a", 0))  # finished early: a token lost
+    led2 = Ledger({("a", 0): 1}, {"a": 1})
+    led2.token(("a", 0))
+    with pytest.raises(ConservationError, match="generated twice"):
+        led2.token(("a", 0))  # a token generated twice
+    led3 = Ledger({("a", 0): 1, ("b", 0): 1}, {"a": 1, "b": 1})
+    led3.token(("a", 0))
+    led3.turn_finished(("a", 0))
+    led3.trajectory_finished("a")
+    with pytest.raises(ConservationError, match="0 of 1"):
+        led3.verify()  # trajectory b never ran
+    with pytest.raises(ConservationError, match="still queued"):
+        led3.verify(outstanding_requests=1)
+    with pytest.raises(ConservationError, match="pinned"):
+        led3.verify(pinned_blocks=3)
+    with pytest.raises(ConservationError, match="finished twice"):
+        led3.turn_finished(("a", 0))
+
+
+def test_simulator_rejects_a_lost_request():
+    class Broken(DispatchPolicy):
+        name = "broken"
+
+        def choose(self, request, engines):
+            return 7  # no such engine
+
+    with pytest.raises(ConservationError, match="engine 7"):
+        simulate(workload(groups=1), Broken(2), cfg())
+
+
+def _one_engine(**kw):
+    return cfg(num_engines=1, delay_jitter=0.0, **kw)
+
+
+def test_prefix_cache_reuse_and_eviction():
+    a = make_traj("a", "ga", np.arange(160, dtype=np.int32), 2, 32, 32, seed=1)
+    # Alone: turn 1 reuses turn 0's context + response blocks: (160 + 32 - 1) // 16 = 11 blocks.
+    r = simulate([a], "round_robin", _one_engine(tool_delay_s=1.0))
+    assert r.cached_prompt_tokens == 11 * 16
+    assert r.prompt_tokens == 160 + 224
+    assert r.evicted_blocks == 0
+    # Pressure: a second trajectory (own content) needs the space while `a` waits on its tool;
+    # KV holds 20 blocks, `b` needs all 20, so `a`'s freed blocks are evicted and turn 1 misses.
+    b = make_traj("b", "gb", np.arange(1000, 1304, dtype=np.int32), 1, 16, 0, seed=2)
+    r2 = simulate([a, b], "round_robin", _one_engine(tool_delay_s=1.0, kv_capacity_tokens=320))
+    assert r2.evicted_blocks > 0
+    assert r2.cached_prompt_tokens == 0
+    # Same pair with ample KV: the hit comes back.
+    r3 = simulate([a, b], "round_robin", _one_engine(tool_delay_s=1.0))
+    assert r3.cached_prompt_tokens == 11 * 16
+
+
+def test_kv_admission_waits_when_full():
+    cost = get_preset("h100_qwen7b").with_overrides(kv_capacity_tokens=320)
+    eng = _Engine(0, cost)
+    trajs = [_Traj(make_traj(f"t{i}", f"g{i}", np.arange(i * 500, i * 500 + 176), 1, 16, 0, i))
+             for i in range(2)]
+    for t in trajs:  # each needs 12 of the 20 blocks
+        eng.enqueue(_Req(t, 0, None, 0.0))
+    eng.plan_step()
+    assert len(eng.running) == 1 and len(eng.waiting) == 1
+    # End to end: the second request waits for the first, so the makespan roughly doubles.
+    raw = [make_traj(f"t{i}", f"g{i}", np.arange(i * 500, i * 500 + 176), 1, 64, 0, i)
+           for i in range(2)]
+    small = simulate(raw, "round_robin", _one_engine(kv_capacity_tokens=320))
+    big = simulate(raw, "round_robin", _one_engine())
+    assert small.makespan_s > 1.6 * big.makespan_s
+    assert small.turn_latency_p99_s > 1.6 * big.turn_latency_p99_s
+
+
+def test_bad_configuration_names_the_field():
+    trajs = workload(groups=1)
+    with pytest.raises(ValueError, match="num_engines"):
+        simulate(trajs, "war", cfg(num_engines=0))
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):
+        simulate(trajs, "war", cfg(kv_capacity_tokens=-16))
+    with pytest.raises(ValueError, match="preset"):
+        simulate(trajs, "war", cfg(preset="tpu_giant"))
+    with pytest.raises(ValueError, match="policy"):
+        simulate(trajs, "fastest_first", cfg())
+    with pytest.raises(ValueError, match="tool_delay_s"):
+        simulate(trajs, "war", cfg(tool_delay_s=-1.0))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        simulate(trajs, "war", cfg(max_num_seqs=0))
+    with pytest.raises(ValueError, match="prefill_per_token_s"):
+        CostModel("x", 1e-3, 0, 0, -1.0, 1024, 8, 64)
+    with pytest.raises(ValueError, match="kv_capacity_tokens"):  # a turn larger than the KV
+        simulate(trajs, "war", cfg(kv_capacity_tokens=64))
+    assert set(PRESETS) == {"h100_qwen7b", "cpu_tiny"}
+
+
+def test_war_beats_round_robin_on_prefix_hits():
+    trajs = workload(groups=4, trials=2, turns=5, prompt_len=512, resp=48, env=96)
+    rr = simulate(trajs, "round_robin", cfg(num_engines=4))
+    war = simulate(trajs, "war", cfg(num_engines=4))
+    assert war.hit_rate > rr.hit_rate + 0.2
+    assert war.hit_rate <= 1.0 and war.oracle_hit_rate >= 0.8
+    assert war.decision_p50_us > 0 and war.decision_p99_us >= war.decision_p50_us
+
+
+def test_cpu_tiny_and_multi_step_run():
+    trajs = workload(groups=4, trials=2, turns=3)
+    r = simulate(trajs, "least_loaded", cfg(preset="cpu_tiny", steps=2), n_samples_per_prompt=2)
+    assert len(r.step_makespans_s) == 2
+    assert r.makespan_s == pytest.approx(sum(r.step_makespans_s))
+    assert r.load_imbalance >= 1.0
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="trace file not present")
+def test_smoke_real_traces():
+    from war_openrlhf.traces import group_trajectories, load_chat_traces, tokenize_traces
+
+    trajs = tokenize_traces(load_chat_traces(TRACES))
+    groups = list(group_trajectories(trajs).values())[:3]
+    few = [t for g in groups for t in g]
+    for pol, kw in (("least_loaded", {"n_samples_per_prompt": 4}), ("war", {})):
+        r = simulate(few, pol, SimConfig(num_engines=2), **kw)
+        assert r.turns == sum(len(t.turns) for t in few)
+        assert r.generated_tokens == sum(len(x.response_token_ids) for t in few for x in t.turns)
+        assert 0.5 < r.hit_rate <= 1.0 and r.makespan_s > 0
