@@ -332,14 +332,16 @@ def test_war_pending_turns_count_as_load():
 
 def test_war_late_trajectories_keep_their_cache():
     ctx = np.arange(2000, dtype=np.int32)
-    # Queue difference of 900 tokens: saving 3600 > 1.06*1999 + 512 early, < 2*1999 + 512 late.
+    # Costs fixed here (decode 4, margin 512) so the arithmetic is explicit:
+    # queue difference of 900 tokens saves 3600 > 1.06*1999 + 512 early, < 2*1999 + 512 late.
+    costs = dict(decode_cost_per_token=4.0, move_margin=512.0)
     q = [900, 0, 0]
     for turn, expect in ((1, 1), (16, 0)):
-        pol = _war()
+        pol = _war(**costs)
         pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
         assert pol.choose(req("t", ctx, turn=turn), states([0, 0, 0], queued=q)) == expect, turn
     # Same via expected_tokens: 95% through its expected tokens -> stays.
-    pol = _war()
+    pol = _war(**costs)
     pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
     assert pol.choose(req("t", ctx, turn=1, so_far=950, expected=1000),
                       states([0, 0, 0], queued=q)) == 0

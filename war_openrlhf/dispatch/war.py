@@ -30,14 +30,18 @@ in ``on_turn_finished``, which is O(context blocks), outside ``choose()``.
 Defaults (documented derivation, to be calibrated by the simulator):
 
 * ``prefill_cost_per_token = 1.0`` -- the unit.
-* ``decode_cost_per_token = 4.0`` -- one queued token costs ~4 prefill tokens of delay: Qwen2.5-7B
-  on an H100 prefills ~27k tok/s (15 GFLOP/token at ~400 TFLOP/s effective, ~37 us/token) while a
-  64-request decode batch at 8k context reads ~45 GB per step (~13 ms for 64 tokens, ~210
-  us/token); ratio ~5.6, rounded down because queued tokens partly overlap in a running batch.
+* ``decode_cost_per_token = 1.0`` -- a queued token (prefill or decode) costs about one prefill
+  token of engine time: in a saturated engine a decoded token is one token of forward compute
+  like a prefilled one (Qwen2.5-7B on an H100: ~38 us each, the ``h100_qwen7b`` preset of
+  ``war_openrlhf.simulation.cost_model``). Calibrated on the cluster simulator
+  (``tools/bench_dispatch.py``, 8 engines, high load): the first estimate, 4.0 (memory-bound
+  per-token decode cost), made queue differences outweigh recompute and moved 1,814 turns,
+  losing prefix hits (0.76 vs 0.94 at 1.0 with ``move_margin`` 2048, 11 moves).
 * ``expected_turn_tokens = 256`` -- work a returning turn adds (tau-bench: ~90 decoded tokens
   plus the appended tool output).
-* ``move_margin = 512.0`` -- a move must save more than ~512 prefill tokens (~20 ms on an H100)
-  beyond its recompute cost, so that small load fluctuations never move a trajectory.
+* ``move_margin = 2048.0`` -- a move must save more than ~2048 prefill tokens (~80 ms on an H100)
+  beyond its recompute cost, so that load fluctuations never move a trajectory (512 moved
+  trajectories on noise in the simulator: hit rate 0.92 vs 0.94).
 * ``tail_weight = 1.0`` (a finishing trajectory weighs recompute twice), ``progress_turns = 16``
   (tau-bench trajectories run ~14 turns).
 * ``kv_capacity_tokens``: per engine (int or sequence); ``None`` takes it from the EngineState
@@ -62,9 +66,9 @@ class WARPolicy(DispatchPolicy):
     def __init__(self, num_engines: int, *,
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
                  prefill_cost_per_token: float = 1.0,
-                 decode_cost_per_token: float = 4.0,
+                 decode_cost_per_token: float = 1.0,
                  expected_turn_tokens: int = 256,
-                 move_margin: float = 512.0,
+                 move_margin: float = 2048.0,
                  tail_weight: float = 1.0,
                  progress_turns: int = 16) -> None:
         super().__init__(num_engines)
