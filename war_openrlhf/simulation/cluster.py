@@ -60,7 +60,6 @@ p50/p99 (dispatch to last token), decision latency p50/p99 (us), evictions, move
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
