@@ -376,3 +376,16 @@ def test_block_index_hint_never_changes_the_answer(cached, qlen, hint):
         idx.touch(e, chain_hashes(base[:nb * 16]))
     chain = chain_hashes(base[:qlen * 16])
     assert idx.match_all(chain, 0b1111, hint) == idx.match_all(chain, 0b1111)
+
+
+def test_openrlhf_group_placement_is_the_policys_rule():
+    """The whole-batch function (used by the speculation replay) and the per-turn policy
+    place equal-size groups identically."""
+    from war_openrlhf.dispatch.least_loaded import openrlhf_group_placement
+
+    loads = [3, 0, 5, 0]
+    pol = make_policy("least_loaded", 4, n_samples_per_prompt=4)
+    snap = [EngineState(i, loads[i], 0, 0, 1 << 20) for i in range(4)]
+    per_turn = [pol.choose(TurnRequest(f"g{g}/s0", f"g{g}", np.zeros(4, dtype=np.int32), 0, 0), snap)
+                for g in range(7)]
+    assert per_turn == openrlhf_group_placement([4] * 7, 4, loads=loads)

@@ -213,6 +213,8 @@ def test_startup_errors_say_what_to_change(model_path, tmp_path):
         check_startup(EngineConfig(model=str(model_path), cpu_core=99), cuda=False)
     with pytest.raises(ValueError, match="EngineConfig.cpu_core: core 0 is already used"):
         check_startup(EngineConfig(model=str(model_path), cpu_core=0), cuda=False, taken_cores={0})
+    with pytest.raises(ValueError, match=r"EngineConfig.cpu_core: must be None or an int >= 0, got -1"):
+        EngineConfig(model=str(model_path), cpu_core=-1)
     with pytest.raises(ValueError, match="EngineConfig.speculation"):
         EngineConfig(model=str(model_path), speculation="sometimes")
     from war_openrlhf.engine.actors import create_war_engines
@@ -257,3 +259,46 @@ def test_engine_yaml_defaults_match_the_code_and_bad_keys_name_the_file(tmp_path
     ok.write_text("model: /m\ncpu_core: 1\nswitch: {threshold: 1.2, hysteresis: 0.1}\n")
     cfg = EngineConfig.from_yaml(ok)
     assert cfg.cpu_core == 1 and cfg.switch.threshold == 1.2
+
+
+def test_one_explicit_core_for_two_engines_is_refused_before_any_starts(model_path):
+    from war_openrlhf.engine.actors import create_war_engines
+
+    with pytest.raises(ValueError, match="EngineConfig.cpu_core: core 0 is already used by another engine"):
+        create_war_engines(2, EngineConfig(model=str(model_path), cpu_core=0))
+
+
+def test_log_entries_stay_queued_when_the_replica_fails_to_apply_them():
+    """A failed sync loses nothing: entries stay queued in order, the error is reported,
+    and the next flush sends them all. (The engine's RPC is stubbed: pure queue logic.)"""
+    import asyncio
+
+    engine = WarEngine.__new__(WarEngine)
+    engine.config = EngineConfig(model="unused", sync_max_lag_records=100)
+    engine._pending, engine._pending_since, engine._last_seq_sent = __import__("collections").deque(), None, 0
+    engine._sync_errors, engine._last_sync_error = 0, None
+    calls = []
+
+    async def rpc(method, batch):
+        calls.append([e["seq"] for e in batch])
+        if len(calls) == 1:
+            raise RuntimeError("worker busy")
+        return len(batch)
+
+    engine._rpc = rpc
+    log = CompletedSequenceLog()
+    for i in range(3):
+        log.append(CompletedSequence.create(f"t{i}", "g", 0, [1, 2], [3, 4]))
+
+    async def run():
+        engine._flush_lock = asyncio.Lock()
+        await engine.push_log(log.read(0))
+        with pytest.raises(RuntimeError, match="worker busy"):
+            await engine.flush_log()
+        assert [e["seq"] for e in engine._pending] == [1, 2, 3] and engine._sync_errors == 1
+        assert await engine.flush_log() == 3
+        assert not engine._pending and engine._pending_since is None
+
+    asyncio.run(run())
+    assert calls == [[1, 2, 3], [1, 2, 3]]
+    assert engine._last_sync_error == "RuntimeError: worker busy"

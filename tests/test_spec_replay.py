@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from war_openrlhf.simulation import ReplayConfig, least_loaded_placement, replay, split_into_steps
+from war_openrlhf.dispatch.least_loaded import openrlhf_group_placement
+from war_openrlhf.simulation import ReplayConfig, replay, split_into_steps
 from war_openrlhf.speculation.proposers import (
     NgramProposer,
     NoSpeculation,
@@ -106,8 +107,8 @@ def test_ngram_uses_vllm_prompt_lookup():
 
 
 def test_least_loaded_placement_matches_openrlhf_dispatch():
-    assert least_loaded_placement([4, 4, 4, 2, 2], 3) == [0, 1, 2, 0, 1]
-    assert least_loaded_placement([8, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert openrlhf_group_placement([4, 4, 4, 2, 2], 3) == [0, 1, 2, 0, 1]
+    assert openrlhf_group_placement([8, 1, 1, 1], 2) == [0, 1, 1, 1]
 
 
 def test_bad_replay_config_is_named():

@@ -28,6 +28,23 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from .base import DispatchPolicy, EngineState, TurnRequest
 
 
+def openrlhf_group_placement(group_sizes: Sequence[int], num_engines: int,
+                             loads: Sequence[int] | None = None) -> list[int]:
+    """OpenRLHF's rule for one dispatch call, for whole groups at once: each prompt (with
+    its ``group_sizes[i]`` samples) goes to the engine on top of a min-heap of
+    ``(unfinished requests, engine_id)`` snapshotted at the call (ties: lower id), which
+    is pushed back with ``load + n``. :class:`LeastLoadedPolicy` applies the same rule
+    turn by turn."""
+    heap = [(int(loads[i]) if loads is not None else 0, i) for i in range(num_engines)]
+    heapq.heapify(heap)
+    placement = []
+    for n in group_sizes:
+        load, eid = heapq.heappop(heap)
+        placement.append(eid)
+        heapq.heappush(heap, (load + int(n), eid))
+    return placement
+
+
 class LeastLoadedPolicy(DispatchPolicy):
     name = "least_loaded"
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from .config import EngineConfig
+from .config import EngineConfig, check_startup
 from .engine import WarEngine, cuda_available
 
 
@@ -36,11 +36,18 @@ def create_war_engines(
             f"num_engines: {num_engines} CPU engines need {num_engines} cores, this machine has {cores}; "
             "run fewer engines"
         )
-    handles = []
-    for i in range(num_engines):
+    configs = []
+    taken: set[int] = set()
+    for i in range(num_engines):  # check every engine before starting any
         cfg = replace(config, seed=config.seed + i)
         if not cuda and config.cpu_core is None:
             cfg = replace(cfg, cpu_core=i)
+        check_startup(cfg, cuda=cuda, taken_cores=taken)  # e.g. one explicit cpu_core for 2 engines
+        if not cuda and cfg.cpu_core is not None:
+            taken.add(cfg.cpu_core)
+        configs.append(cfg)
+    handles = []
+    for i, cfg in enumerate(configs):
         env_vars = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
         if not cuda:
             env_vars["VLLM_CPU_OMP_THREADS_BIND"] = env_vars.get("VLLM_CPU_OMP_THREADS_BIND", str(cfg.cpu_core))

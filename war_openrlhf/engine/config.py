@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config_checks import check_int, dataclass_from_dict
 from ..speculation.index import SuffixIndexConfig
 from .spec_switch import SpecSwitchConfig
 
@@ -57,9 +58,8 @@ class EngineConfig:
                 f"EngineConfig.speculation: '{self.speculation}' is not one of {', '.join(SPECULATION_MODES)}"
             )
         for name in ("max_model_len", "num_speculative_tokens", "sync_max_lag_records"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"EngineConfig.{name}: must be an int >= 1, got {v!r}")
+            check_int("EngineConfig", name, getattr(self, name), 1)
+        check_int("EngineConfig", "cpu_core", self.cpu_core, 0, nullable=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space_gib > 0:
@@ -70,25 +70,10 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "EngineConfig") -> "EngineConfig":
         """Build from a mapping; an unknown key or a wrong type names the key and ``source``."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
-        defaults = cls()
-        known = {f.name for f in fields(cls)}
-        data = dict(data)
-        for key, value in data.items():
-            if key not in known:
-                raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
-            default = getattr(defaults, key)
-            if key == "index":
-                data[key] = SuffixIndexConfig.from_dict(value or {}, source=f"{source}: index")
-            elif key == "switch":
-                data[key] = _switch_from_dict(value or {}, f"{source}: switch")
-            elif not _type_ok(value, default, key == "cpu_core"):
-                raise ValueError(f"{source}: key '{key}' must be {type(default).__name__}, got {value!r}")
-        try:
-            return cls(**data)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
+        return dataclass_from_dict(cls, data, source, nested={
+            "index": SuffixIndexConfig.from_dict,
+            "switch": lambda value, src: dataclass_from_dict(SpecSwitchConfig, value, src),
+        })
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
@@ -100,34 +85,6 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _type_ok(value: Any, default: Any, nullable: bool = False) -> bool:
-    if value is None:
-        return nullable
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, int) or (default is None and nullable):
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, type(default))
-
-
-def _switch_from_dict(data: Any, source: str) -> SpecSwitchConfig:
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
-    defaults = SpecSwitchConfig()
-    known = {f.name for f in fields(SpecSwitchConfig)}
-    for key, value in data.items():
-        if key not in known:
-            raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
-        if not _type_ok(value, getattr(defaults, key)):
-            raise ValueError(f"{source}: key '{key}' must be {type(getattr(defaults, key)).__name__}, got {value!r}")
-    try:
-        return SpecSwitchConfig(**data)
-    except ValueError as exc:
-        raise ValueError(f"{source}: {exc}") from None
 
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:

@@ -43,8 +43,6 @@ def cuda_available() -> bool:
 class _SchedulerStatsLogger:
     """vLLM stat logger that keeps the latest scheduler stats and running totals."""
 
-    latest: dict[str, Any] = {}
-
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         self.totals = {
             "prefix_cache_queries": 0,
@@ -57,7 +55,6 @@ class _SchedulerStatsLogger:
             "steps": 0,
         }
         self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
-        type(self).instance = self
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         t = self.totals
@@ -111,6 +108,8 @@ class WarEngine:
         self._pending_since: float | None = None
         self._last_seq_sent = 0
         self._flush_lock: asyncio.Lock | None = None
+        self._sync_errors = 0
+        self._last_sync_error: str | None = None
         self._flusher: asyncio.Task | None = None
         self.llm = None
         self._stats_logger = None
@@ -266,14 +265,22 @@ class WarEngine:
         return len(items)
 
     async def flush_log(self) -> int:
-        """Apply every queued entry now; returns how many the replica applied."""
+        """Apply every queued entry now; returns how many the replica applied. If the
+        replica fails to apply them, they stay queued (in order) and the error is raised."""
         async with self._flush_lock:
             if not self._pending:
                 return 0
             batch = list(self._pending)
-            self._pending.clear()
-            self._pending_since = None
-            return int(await self._rpc("war_apply_log", batch))
+            try:
+                applied = int(await self._rpc("war_apply_log", batch))
+            except Exception as exc:
+                self._sync_errors += 1
+                self._last_sync_error = f"{type(exc).__name__}: {exc}"
+                raise
+            for _ in batch:
+                self._pending.popleft()
+            self._pending_since = time.monotonic() if self._pending else None
+            return applied
 
     async def _flush_loop(self) -> None:
         period = max(0.01, self.config.sync_max_lag_seconds / 2)
@@ -282,7 +289,7 @@ class WarEngine:
             if self._pending_since is not None and time.monotonic() - self._pending_since >= self.config.sync_max_lag_seconds:
                 try:
                     await self.flush_log()
-                except Exception:  # keep syncing; stats() shows the lag
+                except Exception:  # entries stay queued; stats() shows the lag and the error
                     pass
 
     # ------------------------------------------------------------------ control & stats
@@ -306,6 +313,8 @@ class WarEngine:
             "unfinished_requests": self.llm.get_num_unfinished_requests() if self.llm else 0,
             "sync_lag_records": len(self._pending),
             "sync_lag_seconds": (time.monotonic() - self._pending_since) if self._pending_since else 0.0,
+            "sync_errors": self._sync_errors,
+            "last_sync_error": self._last_sync_error,
         }
         if logger is not None:
             out.update(logger.current)

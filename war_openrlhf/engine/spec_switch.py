@@ -32,6 +32,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config_checks import check_int
+
 
 @dataclass
 class SpecSwitchConfig:
@@ -54,13 +56,9 @@ class SpecSwitchConfig:
             return ValueError(f"SpecSwitchConfig.{name}: {why}, got {getattr(self, name)!r}")
 
         for name in ("window_steps", "min_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "must be an int >= 1")
+            check_int("SpecSwitchConfig", name, getattr(self, name), 1)
         for name in ("fallback_max_batch", "fallback_hysteresis_requests", "explore_every", "settle_steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise bad(name, "must be an int >= 0")
+            check_int("SpecSwitchConfig", name, getattr(self, name), 0)
         if not self.threshold > 0:
             raise bad("threshold", "must be > 0")
         if not 0 <= self.hysteresis < self.threshold:

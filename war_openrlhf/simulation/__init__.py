@@ -3,6 +3,6 @@
 - :mod:`spec_replay`: synchronous GRPO steps with draft verification (tokens per step).
 """
 
-from .spec_replay import ReplayConfig, ReplayResult, least_loaded_placement, replay, split_into_steps
+from .spec_replay import ReplayConfig, ReplayResult, replay, split_into_steps
 
-__all__ = ["ReplayConfig", "ReplayResult", "least_loaded_placement", "replay", "split_into_steps"]
+__all__ = ["ReplayConfig", "ReplayResult", "replay", "split_into_steps"]

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
 
+from ..config_checks import check_int
+from ..dispatch.least_loaded import openrlhf_group_placement
 from ..speculation.proposers import Proposer, TurnRequest
 from ..traces import TokenizedTrajectory
 
@@ -45,9 +47,7 @@ class ReplayConfig:
 
     def __post_init__(self) -> None:
         for name in ("engines", "k", "steps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ReplayConfig.{name}: must be an int >= 1, got {v!r}")
+            check_int("ReplayConfig", name, getattr(self, name), 1)
         if self.tool_delay_ticks < 0 or self.tool_delay_ticks_per_env_token < 0:
             raise ValueError("ReplayConfig.tool_delay_ticks*: must be >= 0")
 
@@ -102,18 +102,6 @@ def split_into_steps(
     return out
 
 
-def least_loaded_placement(group_sizes: Sequence[int], engines: int) -> list[int]:
-    """OpenRLHF's ``_dispatch_prompts_to_vllm``: each prompt (with its samples) goes to
-    the engine with the fewest unfinished requests (ties: lowest index)."""
-    load = [0] * engines
-    placement = []
-    for n in group_sizes:
-        e = min(range(engines), key=lambda i: (load[i], i))
-        placement.append(e)
-        load[e] += n
-    return placement
-
-
 @dataclass
 class _Live:
     traj: TokenizedTrajectory
@@ -142,7 +130,7 @@ def replay(
         gids = list(sgroups)
         order = rng.permutation(len(gids))
         gids = [gids[i] for i in order]
-        placement = least_loaded_placement([len(sgroups[g]) for g in gids], config.engines)
+        placement = openrlhf_group_placement([len(sgroups[g]) for g in gids], config.engines)
         live = [_Live(tr, engine) for gid, engine in zip(gids, placement) for tr in sgroups[gid]]
         step_start = tick
         while live:

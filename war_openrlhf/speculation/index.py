@@ -25,13 +25,14 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 from arctic_inference.suffix_decoding._C import SuffixTree
 
+from ..config_checks import check_int, dataclass_from_dict
 from .log import CompletedSequenceLog, LogEntry
 from .records import CompletedSequence, _check_id, as_token_array
 
@@ -89,21 +90,12 @@ class SuffixIndexConfig:
             return ValueError(f"SuffixIndexConfig.{name}: {why}, got {getattr(self, name)!r}")
 
         for name in ("max_tree_depth", "token_budget", "max_trajectory_trees"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(name, "must be an int >= 1")
-        if isinstance(self.prompt_lead_in, bool) or not isinstance(self.prompt_lead_in, int) or self.prompt_lead_in < 0:
-            raise bad("prompt_lead_in", "must be an int >= 0")
-        if self.max_policy_lag is not None and (
-            isinstance(self.max_policy_lag, bool) or not isinstance(self.max_policy_lag, int) or self.max_policy_lag < 0
-        ):
-            raise bad("max_policy_lag", "must be None or an int >= 0")
+            check_int("SuffixIndexConfig", name, getattr(self, name), 1)
+        check_int("SuffixIndexConfig", "prompt_lead_in", self.prompt_lead_in, 0)
+        check_int("SuffixIndexConfig", "max_policy_lag", self.max_policy_lag, 0, nullable=True)
+        check_int("SuffixIndexConfig", "match_window", self.match_window, 2, nullable=True)
         if not 0.0 < float(self.evict_to_fraction) <= 1.0:
             raise bad("evict_to_fraction", "must be in (0, 1]")
-        if self.match_window is not None and (
-            isinstance(self.match_window, bool) or not isinstance(self.match_window, int) or self.match_window < 2
-        ):
-            raise bad("match_window", "must be None or an int >= 2")
         if float(self.group_bias) <= 0:
             raise bad("group_bias", "must be > 0")
         if float(self.max_spec_factor) < 0 or float(self.max_spec_offset) < 0:
@@ -114,28 +106,7 @@ class SuffixIndexConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "SuffixIndexConfig") -> "SuffixIndexConfig":
         """Build from a mapping; unknown keys and wrong types name the key and ``source``."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        defaults = cls()
-        for key, value in data.items():
-            if key not in known:
-                raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
-            default = getattr(defaults, key)
-            expected = type(default) if default is not None else int
-            ok = value is None if default is None and value is None else (
-                isinstance(value, (int, float)) and not isinstance(value, bool) if expected is float
-                else isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
-            )
-            if not ok:
-                raise ValueError(
-                    f"{source}: key '{key}' must be {expected.__name__}"
-                    f"{' or null' if default is None else ''}, got {value!r}"
-                )
-        try:
-            return cls(**data)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
+        return dataclass_from_dict(cls, data, source)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "SuffixIndexConfig":

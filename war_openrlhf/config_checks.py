@@ -1,0 +1,63 @@
+"""Checks shared by every config dataclass: one wording for bad values, one loader for
+mappings (YAML) that names an unknown key or a wrong type together with its source."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Callable, Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int, *, nullable: bool = False) -> None:
+    """``value`` must be an int >= ``minimum`` (or None when ``nullable``); bools are not ints."""
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        none = "None or " if nullable else ""
+        raise ValueError(f"{owner}.{name}: must be {none}an int >= {minimum}, got {value!r}")
+
+
+def _type_ok(value: Any, default: Any) -> bool:
+    """Same type as the field's default; a None default means an optional int."""
+    if default is None:
+        return value is None or (isinstance(value, int) and not isinstance(value, bool))
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
+def _type_name(default: Any) -> str:
+    return "int or null" if default is None else type(default).__name__
+
+
+def dataclass_from_dict(
+    cls: type[T],
+    data: Any,
+    source: str,
+    nested: Mapping[str, Callable[[Any, str], Any]] | None = None,
+) -> T:
+    """Build ``cls`` from a mapping. Unknown keys, wrong types and values the class
+    rejects raise ``ValueError`` naming the key and ``source`` (a file, or a field path).
+    ``nested`` maps a field to its own loader ``(value, source) -> object``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
+    nested = nested or {}
+    known = {f.name for f in fields(cls)}
+    defaults = cls()
+    values = dict(data)
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
+        if key in nested:
+            values[key] = nested[key](value if value is not None else {}, f"{source}: {key}")
+        elif not _type_ok(value, getattr(defaults, key)):
+            raise ValueError(f"{source}: key '{key}' must be {_type_name(getattr(defaults, key))}, got {value!r}")
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
