@@ -196,3 +196,36 @@ def test_smoke_real_traces():
         assert r.turns == sum(len(t.turns) for t in few)
         assert r.generated_tokens == sum(len(x.response_token_ids) for t in few for x in t.turns)
         assert 0.5 < r.hit_rate <= 1.0 and r.makespan_s > 0
+
+
+class _DeferAll(DispatchPolicy):
+    name = "defer_all"
+
+    def __init__(self, n, defer_later_turns=False):
+        super().__init__(n)
+        self.later = defer_later_turns
+
+    def choose(self, request, engines):
+        from war_openrlhf.dispatch import DEFER
+        if request.turn_index == 0 and not self.later:
+            return DEFER
+        return DEFER if self.later and request.turn_index > 0 else 0
+
+
+def test_deferral_rules_are_enforced():
+    trajs = workload(groups=1, trials=1)
+    with pytest.raises(ConservationError, match="never admitted"):
+        simulate(trajs, _DeferAll(2), cfg())
+    with pytest.raises(ConservationError, match="only first turns"):
+        simulate(trajs, _DeferAll(2, defer_later_turns=True), cfg())
+
+
+def test_war_admission_under_kv_pressure_conserves_and_raises_hits():
+    # 16 trajectories of ~1.3k tokens on 2 engines holding 2k tokens each: far over-committed.
+    trajs = workload(groups=8, trials=2, turns=5, prompt_len=512, resp=64, env=96)
+    c = cfg(kv_capacity_tokens=2048, tool_delay_s=0.01, per_env_token_s=1e-5)
+    on = simulate(trajs, "war", c, admit_min_live=1, admit_busy_batch=1)
+    off = simulate(trajs, "war", c, admit_kv_ratio=None)
+    assert on.deferrals > 0 and off.deferrals == 0
+    assert on.generated_tokens == off.generated_tokens  # conservation verified inside simulate
+    assert on.hit_rate > off.hit_rate

@@ -389,3 +389,58 @@ def test_openrlhf_group_placement_is_the_policys_rule():
     per_turn = [pol.choose(TurnRequest(f"g{g}/s0", f"g{g}", np.zeros(4, dtype=np.int32), 0, 0), snap)
                 for g in range(7)]
     assert per_turn == openrlhf_group_placement([4] * 7, 4, loads=loads)
+
+
+# ---------------------------------------------------------------- WAR KV-aware admission
+def _admission(**kw):
+    kw.setdefault("kv_capacity_tokens", 4096)  # 0.75 x 4096 = 3072 tokens committable
+    kw.setdefault("admit_min_live", 1)
+    return make_policy("war", 2, **kw)
+
+
+def test_war_admission_defers_new_trajectories_when_kv_is_committed():
+    from war_openrlhf.dispatch import DEFER
+    pol = _admission()
+    busy = states([10, 10], cap=4096)  # both engines saturated (running >= admit_busy_batch)
+    # Expected final size before any trajectory finished: admit_growth (4) x 512 = 2048 tokens.
+    a = pol.choose(req("a", np.arange(512)), busy)
+    b = pol.choose(req("b", np.arange(1000, 1512)), busy)
+    assert {a, b} == {0, 1}  # the second no longer fits next to the first
+    assert pol.choose(req("c", np.arange(2000, 2512)), busy) == DEFER
+    assert pol.deferrals == 1
+    # An engine whose batch is not saturated takes it anyway (work conservation).
+    assert pol.choose(req("c", np.arange(2000, 2512)), states([10, 3], cap=4096)) == 1
+    # A live trajectory's next turn is never deferred, whatever the KV commitment.
+    pol.on_turn_finished(req("a", np.arange(512)), a, np.arange(100))
+    assert pol.choose(req("a", toks(np.arange(512), np.arange(100), [7] * 50), turn=1),
+                      busy) == a
+
+
+def test_war_admission_learns_final_size_and_never_deadlocks():
+    from war_openrlhf.dispatch import DEFER
+    pol = _admission()
+    busy = states([10, 10], cap=4096)
+    assert pol.choose(req("a", np.arange(512)), busy) != DEFER
+    pol.on_turn_finished(req("a", np.arange(512)), 0, np.arange(88))  # 600 tokens in all
+    pol.on_trajectory_finished("a")
+    assert pol.footprint == [0, 0] and pol.live == [0, 0]
+    # Expected final size is now the mean final size seen (600): five fit per engine
+    # (4 x 600 + 600 <= 3072 < 5 x 600 + 600).
+    got = [pol.choose(req(f"n{i}", np.arange(512) + 10_000 * (i + 1)), busy) for i in range(11)]
+    assert got.count(DEFER) == 1 and sorted(g for g in got if g != DEFER) == [0] * 5 + [1] * 5
+    # Nothing live anywhere: admitted even when it cannot fit (a deferral would never end).
+    pol2 = _admission()
+    assert pol2.choose(req("huge", np.arange(4000)), busy) != DEFER
+    # Admission control off: never defers.
+    pol3 = _admission(admit_kv_ratio=None)
+    assert all(pol3.choose(req(f"x{i}", np.arange(512) + i * 1000), busy) != DEFER
+               for i in range(10))
+
+
+@pytest.mark.parametrize("kw, field", [({"admit_kv_ratio": 0}, "admit_kv_ratio"),
+                                       ({"admit_min_live": 0}, "admit_min_live"),
+                                       ({"admit_growth": 0.5}, "admit_growth"),
+                                       ({"admit_busy_batch": -1}, "admit_busy_batch")])
+def test_war_admission_bad_configuration(kw, field):
+    with pytest.raises(ValueError, match=field):
+        make_policy("war", 2, **kw)

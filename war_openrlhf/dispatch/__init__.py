@@ -7,14 +7,15 @@
   requests (heap over a snapshot, load += n), all its turns stay there.
 - ``sticky``: verl -- LRU(10000) trajectory -> engine, new ones to the fewest in-flight.
 - ``sglang_cache_aware``: SGLang router ``cache_aware`` over token ids.
-- ``war``: WAR's cache- and queue-aware placement with hysteresis and a tail bias.
+- ``war``: WAR's cache- and queue-aware placement with hysteresis, a tail bias and KV-aware
+  admission of new trajectories (it may answer ``DEFER`` for a first turn).
 """
 
 from __future__ import annotations
 
 from typing import Dict, Type
 
-from .base import DispatchPolicy, EngineState, NoHealthyEngineError, TurnRequest
+from .base import DEFER, DispatchPolicy, EngineState, NoHealthyEngineError, TurnRequest
 from .least_loaded import LeastLoadedPolicy
 from .round_robin import RoundRobinPolicy
 from .sglang_cache_aware import SGLangCacheAwarePolicy
@@ -47,6 +48,6 @@ def make_policy(name: str, num_engines: int, **kwargs) -> DispatchPolicy:
         raise ValueError(f"bad configuration for {name!r}: {exc}") from exc
 
 
-__all__ = ["DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
+__all__ = ["DEFER", "DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
            "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy",
            "SGLangCacheAwarePolicy", "WARPolicy"]

@@ -17,7 +17,13 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["EngineState", "TurnRequest", "DispatchPolicy", "NoHealthyEngineError"]
+__all__ = ["EngineState", "TurnRequest", "DispatchPolicy", "NoHealthyEngineError", "DEFER"]
+
+#: ``choose()`` may return DEFER for the *first* turn of a trajectory: "do not start it yet".
+#: The caller keeps the turn (FIFO) and asks again after a turn finishes anywhere. Only
+#: policies that do KV-aware admission return it (``war``); a policy must never defer when no
+#: trajectory is live, so that a deferred turn always gets a later chance.
+DEFER = -1
 
 
 class NoHealthyEngineError(ValueError):

@@ -1,4 +1,5 @@
-"""WAR's workload-aware turn dispatch: cache hits vs. queueing, with hysteresis and a tail bias.
+"""WAR's workload-aware turn dispatch: cache hits vs. queueing, hysteresis, a tail bias, and
+KV-aware admission of new trajectories.
 
 Per ``choose()`` (costs are in *prefill-token equivalents*: the time to prefill one token = 1):
 
@@ -22,6 +23,19 @@ Per ``choose()`` (costs are in *prefill-token equivalents*: the time to prefill 
   (hysteresis: balanced engines keep their trajectories). New trajectories, and ones whose engine
   is unhealthy, go to ``b``.
 
+KV-aware admission of new trajectories (``admit_kv_ratio``; ``None`` turns it off): when the
+live trajectories bound to an engine will need more KV than it has, every tool call evicts the
+prefix of the trajectory that comes back soonest (LRU), and the engine recomputes whole contexts
+each turn. So a *first* turn is placed only on an engine where one more trajectory keeps the
+expected live footprint within ``admit_kv_ratio`` x KV capacity -- footprint = max(tokens of
+its live trajectories, live count x expected final size), the expected final size being the
+mean final size of finished trajectories (``admit_growth`` x the prompt before any finished).
+If no engine qualifies, ``choose`` returns :data:`~.base.DEFER` and the caller retries when a
+turn finishes. It never defers: a later turn of a live trajectory; on an engine that runs fewer
+than ``admit_min_live`` trajectories; while some engine's batch is below ``admit_busy_batch``
+requests (work conservation: deferring only pays when the engines are saturated); or when no
+trajectory is live at all.
+
 Cache bookkeeping: a new trajectory's first context (its prompt) is recorded on the chosen engine
 at ``choose()`` -- vLLM caches a prompt as soon as it is prefilled, and this is what lets the
 other samples of a GRPO group find it; every turn's context + response is recorded (LRU-touched)
@@ -44,17 +58,23 @@ Defaults (documented derivation, to be calibrated by the simulator):
   trajectories on noise in the simulator: hit rate 0.92 vs 0.94).
 * ``tail_weight = 1.0`` (a finishing trajectory weighs recompute twice), ``progress_turns = 16``
   (tau-bench trajectories run ~14 turns).
+* ``admit_kv_ratio = 0.75``, ``admit_busy_batch = 8``, ``admit_min_live = 4``,
+  ``admit_growth = 4.0``: calibrated on the simulator (``tools/bench_dispatch.py``, 8 engines,
+  live context 4x the KV, 0.1 s tools): ratio 1.0 -> 1.39x least_loaded, 0.75 -> 1.59x,
+  0.6 -> 1.64x, 0.5 -> 1.04x (too few trajectories in flight); without the busy-batch rule the
+  same setting *loses* 9% where 1 s tool calls leave engines idle (deferred starts lengthen
+  the synchronous step), with it nothing is lost there (docs/benchmarks.md).
 * ``kv_capacity_tokens``: per engine (int or sequence); ``None`` takes it from the EngineState
   snapshots (the index follows the snapshot's value whenever it changes).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DEFER, DispatchPolicy, EngineState, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain
 
 _UNSET_CAPACITY = 1 << 62  # until the first snapshot tells the capacity
@@ -70,7 +90,11 @@ class WARPolicy(DispatchPolicy):
                  expected_turn_tokens: int = 256,
                  move_margin: float = 2048.0,
                  tail_weight: float = 1.0,
-                 progress_turns: int = 16) -> None:
+                 progress_turns: int = 16,
+                 admit_kv_ratio: Optional[float] = 0.75,
+                 admit_min_live: int = 4,
+                 admit_growth: float = 4.0,
+                 admit_busy_batch: int = 8) -> None:
         super().__init__(num_engines)
         for name, val in (("prefill_cost_per_token", prefill_cost_per_token),
                           ("decode_cost_per_token", decode_cost_per_token),
@@ -80,6 +104,19 @@ class WARPolicy(DispatchPolicy):
                 raise ValueError(f"{name} must be >= 0, got {val}")
         if progress_turns <= 0:
             raise ValueError(f"progress_turns must be positive, got {progress_turns}")
+        if admit_kv_ratio is not None and not admit_kv_ratio > 0:
+            raise ValueError(f"admit_kv_ratio must be > 0 or None (no admission control), "
+                             f"got {admit_kv_ratio}")
+        if admit_min_live < 1:
+            raise ValueError(f"admit_min_live must be >= 1, got {admit_min_live}")
+        if not admit_growth >= 1:
+            raise ValueError(f"admit_growth must be >= 1, got {admit_growth}")
+        self.admit_kv_ratio = None if admit_kv_ratio is None else float(admit_kv_ratio)
+        self.admit_min_live = int(admit_min_live)
+        self.admit_growth = float(admit_growth)
+        if admit_busy_batch < 0:
+            raise ValueError(f"admit_busy_batch must be >= 0, got {admit_busy_batch}")
+        self.admit_busy_batch = int(admit_busy_batch)
         self.prefill_cost_per_token = float(prefill_cost_per_token)
         self.decode_cost_per_token = float(decode_cost_per_token)
         self.expected_turn_tokens = int(expected_turn_tokens)
@@ -106,6 +143,46 @@ class WARPolicy(DispatchPolicy):
         self.trajectories: Dict[str, TrajectoryChain] = {}
         self.last_scores: Dict[int, float] = {}  # engine -> score of the last decision
         self.moves = 0
+        # Live footprint: per engine, the tokens of the live trajectories bound to it (their
+        # context + responses so far) -- the KV they need to find again after each tool call.
+        self.footprint = [0] * num_engines
+        self.live = [0] * num_engines
+        self._bound: Dict[str, Tuple[int, int]] = {}  # trajectory -> (engine, tokens counted)
+        self._final_sum = 0
+        self._final_count = 0
+        self.deferrals = 0
+
+    def _bind(self, tid: str, engine: int, tokens: int) -> None:
+        old = self._bound.get(tid)
+        if old is not None:
+            self.footprint[old[0]] -= old[1]
+            self.live[old[0]] -= 1
+        self._bound[tid] = (engine, tokens)
+        self.footprint[engine] += tokens
+        self.live[engine] += 1
+
+    def _expected_final(self, n: int) -> float:
+        """Expected peak footprint of a trajectory that starts with ``n`` tokens: the mean
+        final size of finished trajectories, or ``admit_growth`` x ``n`` before any finished."""
+        if self._final_count:
+            return max(n, self._final_sum / self._final_count)
+        return n * self.admit_growth
+
+    def _admissible(self, healthy: Sequence[EngineState], n: int) -> List[EngineState]:
+        """Engines where one more live trajectory keeps the expected live footprint within
+        ``admit_kv_ratio`` x KV capacity (or that run fewer than ``admit_min_live``)."""
+        ratio = self.admit_kv_ratio
+        caps = self.index.capacity_blocks
+        exp = self._expected_final(n)
+        out = []
+        for e in healthy:
+            i = e.engine_id
+            if (self.live[i] < self.admit_min_live
+                    or e.running + e.waiting < self.admit_busy_batch
+                    or max(self.footprint[i], self.live[i] * exp) + exp
+                    <= ratio * caps[i] * BLOCK_SIZE):
+                out.append(e)
+        return out
 
     def _progress(self, req: TurnRequest) -> float:
         if req.expected_tokens:
@@ -125,9 +202,16 @@ class WARPolicy(DispatchPolicy):
 
         traj = self.trajectories.get(request.trajectory_id)
         is_new = traj is None
+        ctx = request.context_token_ids
+        if is_new and self.admit_kv_ratio is not None:
+            admissible = self._admissible(healthy, len(ctx))
+            if admissible:
+                healthy = admissible
+            elif sum(self.live) > 0:  # a finishing trajectory will make room
+                self.deferrals += 1
+                return DEFER
         if is_new:
             traj = self.trajectories[request.trajectory_id] = TrajectoryChain()
-        ctx = request.context_token_ids
         traj.sync(ctx)
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
@@ -168,6 +252,7 @@ class WARPolicy(DispatchPolicy):
         else:
             chosen = best
         traj.engine = chosen
+        self._bind(request.trajectory_id, chosen, n)
         if is_new:
             self.index.touch(chosen, traj.hashes)
             traj.hint[chosen] = len(traj.hashes)
@@ -181,12 +266,19 @@ class WARPolicy(DispatchPolicy):
         traj.sync(request.context_token_ids)
         traj.extend(np.asarray(response_token_ids, dtype=np.int32))
         traj.engine = engine_id
+        self._bind(request.trajectory_id, engine_id, traj.n_tokens)
         self.index.touch(engine_id, traj.hashes)
         traj.hint[engine_id] = len(traj.hashes)
 
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         # Its blocks stay in the engines' LRUs: vLLM keeps freed blocks as evictable cache.
         self.trajectories.pop(trajectory_id, None)
+        old = self._bound.pop(trajectory_id, None)
+        if old is not None:
+            self.footprint[old[0]] -= old[1]
+            self.live[old[0]] -= 1
+            self._final_sum += old[1]
+            self._final_count += 1
 
     def cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""

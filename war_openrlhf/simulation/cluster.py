@@ -31,10 +31,15 @@ The model
 * **Episodes**: each trajectory replays its recorded turns. A turn is dispatched (one
   ``policy.choose()`` call, timed with ``perf_counter``) when the trajectory reaches it; the
   next turn arrives ``tool_delay_s + per_env_token_s * env_token_count`` after the turn ends,
-  times a uniform jitter in ``[1 - delay_jitter, 1 + delay_jitter]`` drawn from ``seed``. The
+  times a uniform jitter in ``[1 - delay_jitter, 1 + delay_jitter]`` drawn from ``seed`` per
+  (trajectory, turn) before the run, so that every policy replays the same delays. The
   traces carry no timing at all: these delays are assumptions (defaults: 1 s per tool/user
   call plus 1 ms per environment token, e.g. a simulated user writing ~100 tokens at
   ~100 tokens/s; +-50% jitter).
+* **Deferral**: a policy may answer :data:`~war_openrlhf.dispatch.DEFER` for a first turn (KV-
+  aware admission); the turn waits in a FIFO and is offered again whenever a turn finishes.
+  Deferring a later turn, or leaving deferred turns when nothing is running, raises
+  :class:`ConservationError`.
 * **GRPO steps**: the trials of a task form a group; ``config.steps`` synchronous steps each
   take a contiguous slice of the groups, start all their trajectories at the step's start and
   end when the last one ends; engines keep their caches across steps. A policy with
@@ -67,7 +72,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..dispatch import DispatchPolicy, EngineState, TurnRequest, make_policy
+from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
 from ..dispatch.block_index import BLOCK_SIZE, chain_hashes
 from .cost_model import CostModel, get_preset
 
@@ -140,6 +145,7 @@ class SimResult:
     decision_p99_us: float
     evicted_blocks: int
     engine_changes: int  # turns that ran on another engine than the trajectory's previous turn
+    deferrals: int = 0  # choose() calls that returned DEFER (KV-aware admission)
     busy_s: List[float] = field(default_factory=list)
     step_makespans_s: List[float] = field(default_factory=list)
 
@@ -523,6 +529,10 @@ class ClusterSimulator:
                  else prepare_trajectories(trajectories))
         rng = np.random.default_rng(cfg.seed)
         engines = [_Engine(i, self.cost) for i in range(E)]
+        # Common random numbers: tool delay jitter is drawn per (trajectory, turn) up front, in
+        # input order, so every policy (and any engine count) replays the same delays.
+        jitter = {t.tid: 1.0 + cfg.delay_jitter * (2.0 * rng.random(t.turns) - 1.0)
+                  for t in trajs}
         ledger = Ledger({(t.tid, i): t.resp_lens[i] for t in trajs for i in range(t.turns)},
                         {t.tid: t.turns for t in trajs})
 
@@ -538,6 +548,7 @@ class ClusterSimulator:
         turn_lat: List[float] = []
         prompt_tokens = cached_tokens = 0
         engine_changes = 0
+        deferrals = 0
         last_engine: Dict[str, int] = {}
         tokens_so_far: Dict[str, int] = {}
         step_spans: List[float] = []
@@ -557,33 +568,52 @@ class ClusterSimulator:
                 tokens_so_far[t.tid] = 0
             heapq.heapify(heap)
             live = len(step_trajs)
+            deferred: deque = deque()  # first turns the policy deferred (FIFO)
+
+            def dispatch(traj: _Traj, turn: int, now: float) -> bool:
+                """One choose() call; False if the policy deferred the turn."""
+                nonlocal seq, engine_changes, deferrals
+                prev = last_engine.get(traj.tid)
+                req = TurnRequest(traj.tid, traj.gid, traj.ctxs[turn], turn,
+                                  tokens_so_far[traj.tid])
+                states = [e.state() for e in engines]
+                c0 = perf()
+                eid = pol.choose(req, states)
+                decision_s.append(perf() - c0)
+                if eid == DEFER:
+                    if turn != 0:
+                        raise ConservationError(f"policy deferred turn {turn} of {traj.tid!r}: "
+                                                f"only first turns may be deferred")
+                    deferrals += 1
+                    return False
+                if not (isinstance(eid, (int, np.integer)) and 0 <= eid < E):
+                    raise ConservationError(f"policy returned engine {eid!r}")
+                eid = int(eid)
+                if turn > 0 and eid != prev:
+                    engine_changes += 1
+                eng = engines[eid]
+                eng.enqueue(_Req(traj, turn, req, now))
+                if eng.sched is None:
+                    dur = eng.plan_step()
+                    heapq.heappush(heap, (now + dur, seq, _STEP, eid, 0))
+                    seq += 1
+                return True
+
             while heap:
                 now, _, kind, a, b = heapq.heappop(heap)
                 if kind == _ARRIVE:
                     traj, turn = a, b
-                    prev = last_engine.get(traj.tid)
                     if turn > 0:
-                        engines[prev].pending_turns -= 1
-                    req = TurnRequest(traj.tid, traj.gid, traj.ctxs[turn], turn,
-                                      tokens_so_far[traj.tid])
-                    states = [e.state() for e in engines]
-                    c0 = perf()
-                    eid = pol.choose(req, states)
-                    decision_s.append(perf() - c0)
-                    if not (isinstance(eid, (int, np.integer)) and 0 <= eid < E):
-                        raise ConservationError(f"policy returned engine {eid!r}")
-                    eid = int(eid)
-                    if turn > 0 and eid != prev:
-                        engine_changes += 1
-                    eng = engines[eid]
-                    eng.enqueue(_Req(traj, turn, req, now))
-                    if eng.sched is None:
-                        dur = eng.plan_step()
-                        heapq.heappush(heap, (now + dur, seq, _STEP, eid, 0))
-                        seq += 1
+                        engines[last_engine[traj.tid]].pending_turns -= 1
+                    if deferred and turn == 0:  # FIFO among first turns
+                        deferred.append(traj)
+                    elif not dispatch(traj, turn, now):
+                        deferred.append(traj)
                 else:
                     eng = engines[a]
+                    finished_any = False
                     for r in eng.finish_step(ledger):
+                        finished_any = True
                         prompt_tokens += r.ctx_len
                         cached_tokens += r.hit
                         turn_lat.append(now - r.t_dispatch)
@@ -594,9 +624,8 @@ class ClusterSimulator:
                         tokens_so_far[traj.tid] += r.resp_len
                         if r.turn + 1 < traj.turns:
                             eng.pending_turns += 1
-                            delay = cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn]
-                            if cfg.delay_jitter > 0:
-                                delay *= 1.0 + cfg.delay_jitter * (2.0 * rng.random() - 1.0)
+                            delay = ((cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn])
+                                     * jitter[traj.tid][r.turn])
                             heapq.heappush(heap, (now + delay, seq, _ARRIVE, traj, r.turn + 1))
                             seq += 1
                         else:
@@ -607,6 +636,13 @@ class ClusterSimulator:
                         dur = eng.plan_step()
                         heapq.heappush(heap, (now + dur, seq, _STEP, eng.eid, 0))
                         seq += 1
+                    while finished_any and deferred:
+                        if not dispatch(deferred[0], 0, now):
+                            break
+                        deferred.popleft()
+                if not heap and deferred:
+                    raise ConservationError(f"step {s}: {len(deferred)} deferred trajectories "
+                                            f"never admitted (policy deferred with no live work)")
             if live != 0:
                 raise ConservationError(f"step {s}: {live} trajectories never finished")
             step_spans.append(now - t0)
@@ -643,6 +679,7 @@ class ClusterSimulator:
             decision_p99_us=_percentile(decision_s, 99) * 1e6,
             evicted_blocks=int(sum(e.evicted for e in engines)),
             engine_changes=engine_changes,
+            deferrals=deferrals,
             busy_s=busy,
             step_makespans_s=step_spans,
         )
