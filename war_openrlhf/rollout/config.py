@@ -1,0 +1,97 @@
+"""Rollout pool configuration (defaults documented in configs/rollout.yaml).
+
+One YAML file describes a pool: its engines (an :class:`~war_openrlhf.engine.EngineConfig`
+under ``engine``, which carries the speculation mode, the switch and the index budget), the
+dispatch policy, and the episode limits. A bad key or type names the key and the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config_checks import check_int, dataclass_from_dict
+from ..dispatch import POLICIES
+from ..engine.config import EngineConfig
+
+ON_TOOL_ERROR = ("observe", "end")
+
+
+@dataclass
+class RolloutConfig:
+    """A WAR rollout pool and the episodes it runs."""
+
+    num_engines: int = 2
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    dispatch_policy: str = "war"
+    dispatch_kwargs: dict = field(default_factory=dict)
+    agent_func_path: str = ""
+    n_samples_per_prompt: int = 4
+    max_turns: int = 8
+    max_context_tokens: int = 2048
+    max_new_tokens_per_turn: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    tool_timeout_s: float = 30.0
+    on_tool_error: str = "observe"
+    engine_retries: int = 3
+    log_sync_interval_s: float = 0.05
+    stats_interval_s: float = 2.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
+        for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),
+                              ("max_context_tokens", 2), ("max_new_tokens_per_turn", 1),
+                              ("engine_retries", 0)):
+            check_int("RolloutConfig", name, getattr(self, name), minimum)
+        check_int("RolloutConfig", "seed", self.seed, 0, nullable=True)
+        if self.dispatch_policy not in POLICIES:
+            raise ValueError(f"RolloutConfig.dispatch_policy: unknown policy '{self.dispatch_policy}'; "
+                             f"known: {', '.join(sorted(POLICIES))}")
+        if not isinstance(self.dispatch_kwargs, dict):
+            raise ValueError("RolloutConfig.dispatch_kwargs: must be a mapping of the policy's options")
+        if self.on_tool_error not in ON_TOOL_ERROR:
+            raise ValueError(f"RolloutConfig.on_tool_error: '{self.on_tool_error}' is not one of "
+                             f"{', '.join(ON_TOOL_ERROR)} (observe: the error becomes the tool's "
+                             "output; end: the episode ends with reward 0)")
+        if not self.tool_timeout_s > 0:
+            raise ValueError(f"RolloutConfig.tool_timeout_s: must be > 0 seconds, got {self.tool_timeout_s}")
+        if not self.temperature >= 0:
+            raise ValueError(f"RolloutConfig.temperature: must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutConfig.top_p: must be in (0, 1], got {self.top_p}")
+        for name in ("log_sync_interval_s", "stats_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RolloutConfig.{name}: must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_new_tokens_per_turn >= self.max_context_tokens:
+            raise ValueError(f"RolloutConfig.max_new_tokens_per_turn ({self.max_new_tokens_per_turn}) must be "
+                             f"below max_context_tokens ({self.max_context_tokens})")
+        if self.engine.model and self.max_context_tokens > self.engine.max_model_len:
+            raise ValueError(f"RolloutConfig.max_context_tokens ({self.max_context_tokens}) exceeds "
+                             f"engine.max_model_len ({self.engine.max_model_len}); lower it or raise "
+                             "engine.max_model_len")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "RolloutConfig") -> "RolloutConfig":
+        return dataclass_from_dict(cls, data, source, nested={"engine": EngineConfig.from_dict})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> "RolloutConfig":
+        """Load ``path``; ``overrides`` replace top-level keys (``engine`` merges key by key)."""
+        import yaml
+
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+        eng = overrides.pop("engine", None)
+        if eng:
+            data["engine"] = {**(data.get("engine") or {}), **eng}
+        return cls.from_dict({**data, **overrides}, source=str(path))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,171 @@
+"""One multi-turn episode: generate a turn -> environment step -> next turn, until done.
+
+The loop follows OpenRLHF 0.11.2's ``MultiTurnAgentExecutor.execute`` token for token (the
+prompt and each environment feedback are tokenized with ``add_special_tokens=False`` and
+appended to the model's own sampled tokens, never re-tokenized), so a trajectory from the
+pool and one from OpenRLHF's executor are interchangeable for the trainer. What differs:
+
+* each turn goes through the pool (``TurnService.generate_turn``), which picks the engine
+  per turn, re-dispatches it if an engine dies, and records it in the global suffix index;
+* while the environment runs, the trajectory is *parked* on its engine (the dispatcher
+  counts it as a pending turn there);
+* every failure ends or annotates only this episode, with a recorded reason: a tool that
+  raises or times out (``on_tool_error``: ``observe`` turns the error into the tool's output,
+  ``end`` ends the episode with reward 0), a context that would exceed
+  ``max_context_tokens``, an engine error that survives the retries, a broken environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from typing import Any, Protocol, Sequence
+
+from .agents import check_step_result
+from .config import RolloutConfig
+from .trajectory import Trajectory, TurnRecord
+
+
+class TurnService(Protocol):
+    """What an episode needs from the pool."""
+
+    async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
+                            sampling_params: dict[str, Any], turn_index: int,
+                            tokens_so_far: int) -> dict[str, Any]: ...
+
+    def park(self, trajectory_id: str, engine: int) -> None: ...
+
+    def unpark(self, trajectory_id: str) -> None: ...
+
+
+def tool_error_text(message: str) -> str:
+    """The observation an episode sees when its tool failed (``on_tool_error: observe``)."""
+    return f"\n<tool_error>{message}</tool_error>\n"
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text=text, add_special_tokens=False)["input_ids"])
+
+
+def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
+    """A reproducible per-request sampling seed (None: vLLM's own randomness)."""
+    if seed is None:
+        return None
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(f"{trajectory_id}/{turn}".encode())) % (2**31 - 1)
+
+
+async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, *,
+                      prompt: str, label: Any, trajectory_id: str, group_id: str,
+                      t0: float | None = None) -> Trajectory:
+    """Run one episode to its end; never raises (failures become ``end_reason``/``error``)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    start = time.perf_counter()
+    traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label)
+    try:
+        await _run(service, agent_cls, tokenizer, cfg, traj, t0)
+    except Exception as exc:  # the environment itself is broken: keep the batch going
+        traj.end_reason = traj.end_reason or "episode_error"
+        traj.error = f"{type(exc).__name__}: {exc}"
+        traj.extra_logs["episode_traceback_lines"] = float(len(traceback.format_exc().splitlines()))
+    finally:
+        service.unpark(trajectory_id)
+    traj.wall_s = time.perf_counter() - start
+    return traj
+
+
+async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, traj: Trajectory,
+               t0: float) -> None:
+    instance = agent_cls()
+    reset = await asyncio.wait_for(instance.reset({"observation": traj.prompt, "label": traj.label}),
+                                   cfg.tool_timeout_s)
+    if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
+        raise ValueError("reset() must return a dict with a str 'observation'")
+    observation_text = reset["observation"]
+    tokens = _encode(tokenizer, observation_text)
+    traj.token_ids = list(tokens)
+    traj.action_mask = [0] * len(tokens)
+    traj.logprobs = [0.0] * len(tokens)
+    if len(tokens) + 1 > cfg.max_context_tokens:
+        traj.end_reason = "prompt_too_long"
+        traj.error = (f"prompt has {len(tokens)} tokens; max_context_tokens is {cfg.max_context_tokens}")
+        return
+    sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p}
+    generated = 0
+    for turn in range(cfg.max_turns):
+        budget = cfg.max_context_tokens - len(traj.token_ids)
+        if budget <= 0:
+            traj.end_reason = "max_context"
+            return
+        params = dict(sampling, max_tokens=min(cfg.max_new_tokens_per_turn, budget), logprobs=0)
+        seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
+        if seed is not None:
+            params["seed"] = seed
+        dispatched = time.perf_counter()
+        try:
+            out = await service.generate_turn(traj.trajectory_id, traj.group_id, traj.token_ids, params,
+                                              turn, generated)
+        except Exception as exc:
+            traj.end_reason = "engine_error"
+            traj.error = f"turn {turn}: {type(exc).__name__}: {exc}"
+            return
+        action = list(out["token_ids"])
+        lps = list(out["logprobs"]) if out.get("logprobs") else [0.0] * len(action)
+        if len(lps) != len(action):
+            raise ValueError(f"engine returned {len(lps)} logprobs for {len(action)} tokens")
+        begin = len(traj.token_ids)
+        traj.token_ids.extend(action)
+        traj.action_mask.extend([1] * len(action))
+        traj.logprobs.extend(float(x) for x in lps)
+        generated += len(action)
+        rec = TurnRecord(index=turn, engine=int(out["engine"]), start=begin, end=len(traj.token_ids),
+                         prompt_tokens=int(out.get("num_prompt_tokens", begin)),
+                         cached_tokens=int(out.get("num_cached_tokens", 0)),
+                         finish_reason=str(out.get("finish_reason")), dispatched_s=dispatched - t0,
+                         generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)))
+        traj.turns.append(rec)
+        traj.truncated = out.get("finish_reason") == "length"
+
+        action_text = tokenizer.decode(action, skip_special_tokens=False)
+        states = {"observation_text": observation_text, "action_text": action_text, "label": traj.label,
+                  "sampling_params": params}
+        service.park(traj.trajectory_id, rec.engine)
+        t_tool = time.perf_counter()
+        try:
+            step = check_step_result(await asyncio.wait_for(instance.step(states), cfg.tool_timeout_s))
+        except Exception as exc:
+            msg = (f"tool timed out after {cfg.tool_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError)
+                   else f"{type(exc).__name__}: {exc}")
+            rec.tool_error = msg
+            traj.extra_logs["tool_errors"] = traj.extra_logs.get("tool_errors", 0.0) + 1.0
+            if cfg.on_tool_error == "end":
+                rec.tool_s = time.perf_counter() - t_tool
+                traj.reward, traj.score = 0.0, 0.0
+                traj.end_reason, traj.error = "tool_error", msg
+                return
+            step = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
+                    "done": False, "sampling_params": None, "extra_logs": {}}
+        finally:
+            service.unpark(traj.trajectory_id)
+        rec.tool_s = time.perf_counter() - t_tool
+
+        traj.reward += step["rewards"]
+        traj.score = step["scores"] if step["scores"] is not None else traj.reward
+        traj.extra_logs.update(step["extra_logs"])
+        new_params = step["sampling_params"]
+        if isinstance(new_params, dict):
+            sampling.update({k: v for k, v in new_params.items() if k in ("temperature", "top_p")})
+        if step["done"]:
+            traj.end_reason = "done"
+            return
+        feedback = _encode(tokenizer, step["environment_feedback"])
+        if len(traj.token_ids) + len(feedback) >= cfg.max_context_tokens:
+            traj.end_reason = "max_context"  # the observation would leave no room for a reply
+            return
+        observation_text = observation_text + action_text + step["environment_feedback"]
+        traj.token_ids.extend(feedback)
+        traj.action_mask.extend([0] * len(feedback))
+        traj.logprobs.extend([0.0] * len(feedback))
+    traj.end_reason = "max_turns"

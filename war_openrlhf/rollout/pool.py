@@ -1,0 +1,376 @@
+"""The WAR rollout pool: engine actors + per-turn dispatch + the global suffix index.
+
+``RolloutPool.start(config)`` starts ``num_engines`` :class:`~war_openrlhf.engine.WarEngine`
+Ray actors in one placement group (one core each on CPU, one GPU each on CUDA) and builds the
+dispatch policy. ``run_batch(prompts, labels)`` runs ``n_samples_per_prompt`` episodes per
+prompt (one GRPO group per prompt), all concurrently on one asyncio loop:
+
+* **per-turn dispatch**: every turn asks the policy for an engine, given a snapshot the pool
+  keeps itself (it is the engines' only client): requests in flight and their token budget,
+  trajectories parked on a tool per engine (pending turns), KV capacity, health. A policy may
+  answer ``DEFER`` for a first turn (KV-aware admission): the episode waits until some turn
+  finishes;
+* **global index**: every finished turn (context + response) is appended to one
+  :class:`~war_openrlhf.speculation.CompletedSequenceLog`; a background task ships new
+  entries to every healthy engine's replica every ``log_sync_interval_s``, so a sample on
+  engine B drafts from its siblings that finished on engine A;
+* **speculation** is switched inside each engine by its own measured load (``engine.speculation:
+  auto``); the pool reports the fraction of engine steps that speculated;
+* **faults**: an engine call that fails because the actor died marks the engine unhealthy and
+  re-dispatches the turn (up to ``engine_retries`` times) to a healthy engine; a tool error,
+  a timeout, an over-long context or a broken environment ends or annotates only its own
+  episode (:mod:`.episode`). Every episode returns a :class:`~.trajectory.Trajectory`.
+
+The pool also accepts engines it did not start (``RolloutPool(config, engines=[...])``): Ray
+actor handles or in-process :class:`~war_openrlhf.engine.WarEngine` objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
+from ..speculation import CompletedSequence, CompletedSequenceLog
+from .agents import load_agent_class
+from .config import RolloutConfig
+from .episode import run_episode
+from .trajectory import Trajectory
+
+_UNKNOWN_KV = 1 << 40
+
+
+def _actor_died(exc: BaseException) -> bool:
+    """True if ``exc`` means the engine actor is gone (not a bad request)."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))
+
+
+class _Engine:
+    """The pool's view of one engine: a handle plus what it has in flight."""
+
+    def __init__(self, index: int, handle: Any) -> None:
+        self.index = index
+        self.handle = handle
+        self.remote = hasattr(handle, "generate_tokens") and hasattr(handle.generate_tokens, "remote")
+        self.healthy = True
+        self.error: str | None = None
+        self.in_flight = 0
+        self.queued_tokens = 0
+        self.parked = 0
+        self.kv_capacity_tokens = _UNKNOWN_KV
+        self.log_sent = 0
+        self.turns = 0
+        self.last_stats: dict[str, Any] = {}
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self.handle, method)
+        if self.remote:
+            return await fn.remote(*args, **kwargs)
+        return await fn(*args, **kwargs)
+
+    def state(self, exclude_parked: int = 0) -> EngineState:
+        return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
+                           max(0, self.parked - exclude_parked), self.healthy)
+
+
+@dataclass
+class BatchResult:
+    trajectories: list[Trajectory]
+    wall_s: float
+    generated_tokens: int
+    turns: int
+    prompt_tokens: int
+    cached_tokens: int
+    redispatched_turns: int
+    deferrals: int
+    engine_turns: list[int]
+    engine_stats: list[dict[str, Any]] = field(default_factory=list)
+    end_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        spec = [s.get("war", {}).get("switch", {}) for s in self.engine_stats]
+        fr = [x.get("spec_step_fraction") for x in spec]
+        return {
+            "episodes": len(self.trajectories), "wall_s": self.wall_s,
+            "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
+            "turns": self.turns, "prefix_hit_rate": self.prefix_hit_rate,
+            "redispatched_turns": self.redispatched_turns, "deferrals": self.deferrals,
+            "engine_turns": self.engine_turns, "end_reasons": self.end_reasons,
+            "mean_reward": float(np.mean([t.reward for t in self.trajectories])) if self.trajectories else 0.0,
+            "speculating_fraction": fr,
+        }
+
+
+class RolloutPool:
+    """Engines + dispatcher + global index log; runs batches of multi-turn episodes."""
+
+    def __init__(self, config: RolloutConfig, engines: Sequence[Any], *, tokenizer=None,
+                 agent_cls: type | None = None, policy: DispatchPolicy | None = None) -> None:
+        if not engines:
+            raise ValueError("engines: a pool needs at least one engine")
+        self.config = config
+        self.engines = [_Engine(i, h) for i, h in enumerate(engines)]
+        if policy is None:
+            try:
+                policy = make_policy(config.dispatch_policy, len(self.engines), **config.dispatch_kwargs)
+            except ValueError as exc:
+                raise ValueError(f"RolloutConfig.dispatch_kwargs: {exc}") from exc
+        self.policy = policy
+        if agent_cls is None:
+            if not config.agent_func_path:
+                raise ValueError("RolloutConfig.agent_func_path: no environment given; pass an OpenRLHF "
+                                 "agent file (see examples/)")
+            agent_cls = load_agent_class(config.agent_func_path)
+        self.agent_cls = agent_cls
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.engine.model)
+        self.tokenizer = tokenizer
+        self.log = CompletedSequenceLog()
+        self.policy_version = 0
+        self._parked: dict[str, int] = {}
+        self._turn_done: asyncio.Condition | None = None
+        self._batch_index = 0
+        self._redispatched = 0
+        self._deferrals = 0
+        self._tokens_generated = 0
+        self._started_handles = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, config: RolloutConfig, **kwargs: Any) -> "RolloutPool":
+        """Start the engine actors (Ray must be initialised) and build the pool."""
+        from ..engine.actors import create_war_engines
+
+        handles = create_war_engines(config.num_engines, config.engine, placement_group=True)
+        pool = cls(config, handles, **kwargs)
+        pool._started_handles = True
+        return pool
+
+    def shutdown(self) -> None:
+        if not self._started_handles:
+            return
+        import ray
+
+        for e in self.engines:
+            if e.healthy:
+                try:
+                    ray.get(e.handle.shutdown.remote(), timeout=30)
+                except Exception:
+                    pass
+            try:
+                ray.kill(e.handle)
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------------ TurnService
+    def park(self, trajectory_id: str, engine: int) -> None:
+        if trajectory_id not in self._parked:
+            self._parked[trajectory_id] = engine
+            self.engines[engine].parked += 1
+
+    def unpark(self, trajectory_id: str) -> None:
+        engine = self._parked.pop(trajectory_id, None)
+        if engine is not None:
+            self.engines[engine].parked -= 1
+
+    async def _notify(self) -> None:
+        async with self._turn_done:
+            self._turn_done.notify_all()
+
+    async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
+                            sampling_params: dict[str, Any], turn_index: int,
+                            tokens_so_far: int) -> dict[str, Any]:
+        ctx = np.asarray(context, dtype=np.int32)
+        request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far)
+        attempts = 0
+        while True:
+            states = [e.state() for e in self.engines]
+            eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
+            if eid == DEFER:
+                self._deferrals += 1
+                async with self._turn_done:
+                    await self._turn_done.wait()
+                continue
+            eng = self.engines[eid]
+            budget = int(sampling_params.get("max_tokens", 0))
+            eng.in_flight += 1
+            eng.queued_tokens += budget
+            attempts += 1
+            try:
+                out = await eng.call("generate_tokens", [int(x) for x in ctx], dict(sampling_params), None,
+                                     trajectory_id, group_id)
+            except Exception as exc:
+                if not _actor_died(exc) or attempts > self.config.engine_retries:
+                    raise
+                self._mark_dead(eng, exc)
+                self._redispatched += 1
+                continue
+            finally:
+                eng.in_flight -= 1
+                eng.queued_tokens -= budget
+            out["engine"] = eid
+            out["attempts"] = attempts
+            eng.turns += 1
+            self._tokens_generated += len(out["token_ids"])
+            response = np.asarray(out["token_ids"], dtype=np.int32)
+            self.policy.on_turn_finished(request, eid, response)
+            self.log.append(CompletedSequence.create(trajectory_id, group_id, self.policy_version, ctx, response))
+            await self._notify()
+            return out
+
+    def _mark_dead(self, eng: _Engine, exc: BaseException) -> None:
+        if eng.healthy:
+            eng.healthy = False
+            eng.error = f"{type(exc).__name__}: {exc}"[:500]
+
+    # ------------------------------------------------------------------ index sync & stats
+    async def sync_log(self, flush: bool = False) -> None:
+        """Ship log entries each healthy engine has not seen yet; truncate what all have.
+        ``flush``: also make every replica apply them now (end of a batch), instead of within
+        the engine's lag bound."""
+        last = self.log.last_seq
+        for e in self.engines:
+            if not e.healthy or e.log_sent >= last:
+                continue
+            entries = self.log.read(e.log_sent)
+            try:
+                await e.call("push_log", entries)
+                e.log_sent = entries[-1].seq if entries else e.log_sent
+            except Exception as exc:
+                if _actor_died(exc):
+                    self._mark_dead(e, exc)
+        if flush:
+            for e in self.engines:
+                if e.healthy:
+                    try:
+                        await e.call("flush_log")
+                    except Exception as exc:
+                        if _actor_died(exc):
+                            self._mark_dead(e, exc)
+        alive = [e.log_sent for e in self.engines if e.healthy]
+        if alive and min(alive) > self.log.first_seq:
+            self.log.truncate(min(alive))
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.log_sync_interval_s)
+            await self.sync_log()
+
+    async def engine_stats(self) -> list[dict[str, Any]]:
+        out = []
+        for e in self.engines:
+            if e.healthy:
+                try:
+                    e.last_stats = await e.call("stats")
+                    cap = e.last_stats.get("kv_capacity_tokens")
+                    if cap:
+                        e.kv_capacity_tokens = int(cap)
+                except Exception as exc:
+                    if _actor_died(exc):
+                        self._mark_dead(e, exc)
+            out.append({**e.last_stats, "healthy": e.healthy, "error": e.error})
+        return out
+
+    def speculating_fraction(self) -> float | None:
+        fr = [e.last_stats.get("war", {}).get("switch", {}).get("spec_step_fraction")
+              for e in self.engines if e.healthy]
+        fr = [f for f in fr if f is not None]
+        return float(np.mean(fr)) if fr else None
+
+    async def _stats_loop(self, bar, tokens0: int, t0: float) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            await self.engine_stats()
+            if bar is not None:
+                spec = self.speculating_fraction()
+                rate = (self._tokens_generated - tokens0) / max(time.perf_counter() - t0, 1e-9)
+                bar.set_postfix({"tok/s": f"{rate:.0f}",
+                                 "spec": "n/a" if spec is None else f"{spec:.0%}"}, refresh=True)
+
+    def advance_policy_version(self, version: int | None = None) -> int:
+        """New weights: later records carry the new version (the index can age out old ones)."""
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        self.log.advance_policy_version(self.policy_version)
+        return self.policy_version
+
+    # ------------------------------------------------------------------ batches
+    async def run_batch_async(self, prompts: Sequence[str], labels: Sequence[Any] | None = None, *,
+                              n_samples_per_prompt: int | None = None) -> BatchResult:
+        labels = list(labels) if labels is not None else [None] * len(prompts)
+        if len(labels) != len(prompts):
+            raise ValueError(f"labels: {len(labels)} labels for {len(prompts)} prompts")
+        n = n_samples_per_prompt or self.config.n_samples_per_prompt
+        if not prompts:
+            raise ValueError("prompts: empty batch")
+        self._turn_done = asyncio.Condition()
+        b = self._batch_index
+        self._batch_index += 1
+        if hasattr(self.policy, "start_batch"):
+            self.policy.start_batch()
+        await self.engine_stats()  # KV capacities for the dispatcher
+        self._redispatched = self._deferrals = 0
+        turns0 = [e.turns for e in self.engines]
+        t0 = time.perf_counter()
+        tokens0 = self._tokens_generated
+        bar = None
+        if self.config.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts) * n, desc="rollout episodes", unit="ep")
+
+        async def one(p: int, s: int) -> Trajectory:
+            traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
+                                     label=labels[p], trajectory_id=f"b{b}-p{p}-s{s}", group_id=f"b{b}-p{p}",
+                                     t0=t0)
+            self.policy.on_trajectory_finished(traj.trajectory_id)
+            await self._notify()  # a finished trajectory frees room for deferred ones
+            if bar is not None:
+                bar.update(1)
+            return traj
+
+        sync = asyncio.get_running_loop().create_task(self._sync_loop())
+        stats = asyncio.get_running_loop().create_task(self._stats_loop(bar, tokens0, t0))
+        try:
+            trajs = await asyncio.gather(*(one(p, s) for p in range(len(prompts)) for s in range(n)))
+        finally:
+            sync.cancel()
+            stats.cancel()
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+        await self.sync_log(flush=True)
+        engine_stats = await self.engine_stats()
+        reasons: dict[str, int] = {}
+        for t in trajs:
+            reasons[t.end_reason] = reasons.get(t.end_reason, 0) + 1
+        return BatchResult(
+            trajectories=list(trajs), wall_s=wall,
+            generated_tokens=sum(t.generated_tokens for t in trajs),
+            turns=sum(len(t.turns) for t in trajs),
+            prompt_tokens=sum(r.prompt_tokens for t in trajs for r in t.turns),
+            cached_tokens=sum(r.cached_tokens for t in trajs for r in t.turns),
+            redispatched_turns=self._redispatched, deferrals=self._deferrals,
+            engine_turns=[e.turns - t for e, t in zip(self.engines, turns0)], engine_stats=engine_stats, end_reasons=reasons)
+
+    def run_batch(self, prompts: Sequence[str], labels: Sequence[Any] | None = None, *,
+                  n_samples_per_prompt: int | None = None) -> BatchResult:
+        """Synchronous wrapper (one event loop per call)."""
+        return asyncio.run(self.run_batch_async(prompts, labels, n_samples_per_prompt=n_samples_per_prompt))
