@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import textwrap
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def model_path() -> Path:
 
 
 def _config(model_path, agent_file, **kw):
-    base = dict(num_engines=2, engine=dict(model=str(model_path), dtype="float32", max_model_len=1024,
+    base = dict(num_engines=2, engine=dict(model=str(model_path), dtype="float32", max_model_len=2048,
                                            enforce_eager=True, num_speculative_tokens=8),
                 agent_func_path=str(agent_file), n_samples_per_prompt=3, max_turns=5,
                 max_context_tokens=1024, max_new_tokens_per_turn=32, seed=3, progress=False,
@@ -108,11 +109,7 @@ def pool(model_path, agent_file):
 def _sibling(pool, **kw):
     """A pool over the same engines with other settings (a fresh dispatcher and log)."""
     cfg = _config(Path(pool.config.engine.model), Path(pool.config.agent_func_path), **kw)
-    p = RolloutPool(cfg, [e.handle for e in pool.engines], tokenizer=pool.tokenizer, agent_cls=pool.agent_cls)
-    for mine, theirs in zip(p.engines, pool.engines):
-        mine.log_sent = 0
-        mine.healthy = theirs.healthy
-    return p
+    return RolloutPool(cfg, [e.handle for e in pool.engines], tokenizer=pool.tokenizer, agent_cls=pool.agent_cls)
 
 
 # ---------------------------------------------------------------- pure checks
@@ -209,7 +206,11 @@ def test_logprobs_equal_a_plain_forward_pass(pool):
 
 
 def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
-    observe = _sibling(pool).run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
+    sib = _sibling(pool)
+    observe = sib.run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
+    # a second pool on the same engines restarted their replicas and fed them its own log
+    applied = [s["war"]["index"]["applied_seq"] for s in asyncio.run(sib.engine_stats())]
+    assert applied == [sib.log.last_seq] * 2 and sib.log.last_seq == observe.turns
     by = {t.label: [] for t in observe.trajectories}
     for t in observe.trajectories:
         t.check()
@@ -244,6 +245,29 @@ def test_context_limits_end_cleanly(pool):
     too_long = _sibling(pool, max_context_tokens=64).run_batch(["word " * 200], ["ok"], n_samples_per_prompt=1)
     (t,) = too_long.trajectories
     assert t.end_reason == "prompt_too_long" and t.turns == [] and "max_context_tokens" in t.error
+
+
+@pytest.mark.parametrize("task", ["arithmetic_calculator", "sql_qa", "doc_lookup"])
+def test_example_task_episode_end_to_end(pool, task):
+    import importlib.util
+
+    d = ROOT / "examples" / task
+    spec = importlib.util.spec_from_file_location(f"_ds_{task}", d / "dataset.py")
+    ds = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ds  # the dataset module defines dataclasses
+    spec.loader.exec_module(ds)
+    (row,) = ds.generate(1, 0)
+    p = RolloutPool(_config(Path(pool.config.engine.model), d / "agent.py", max_turns=2,
+                            max_new_tokens_per_turn=24, max_context_tokens=2048),
+                    [e.handle for e in pool.engines], tokenizer=pool.tokenizer)
+    res = p.run_batch([row["prompt"]], [row["label"]], n_samples_per_prompt=2)
+    for t in res.trajectories:
+        t.check()
+        assert t.end_reason in ("done", "max_turns") and t.error is None and len(t.turns) >= 1
+        if t.end_reason == "max_turns":  # the tiny model's text is no tool call: an error observation
+            obs = pool.tokenizer.decode(t.token_ids[t.turns[0].end:t.turns[1].start])
+            assert "<tool_response>" in obs and "Error" in obs
+        assert t.extra_logs["turns"] == len(t.turns)
 
 
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):

@@ -16,6 +16,8 @@ rollout actors, and tests load it without torch).
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import string
 from dataclasses import dataclass, field
@@ -29,6 +31,21 @@ ANSWER_CLOSE = "</answer>"
 # Tool output longer than this is cut, so one call cannot flood the context window.
 MAX_RESPONSE_CHARS = 4000
 
+# How feedback is appended after a model turn. "plain" suits plain-text prompts (the
+# default); "chatml" closes the turn the way Qwen-style chat templates render a tool
+# result, for prompts built with --data.apply_chat_template (the model's <|im_end|> is
+# already in the token stream when the turn ended with EOS). Chosen with the
+# TOOL_FEEDBACK_FORMAT environment variable, read when this module is imported.
+FEEDBACK_TEMPLATES = {
+    "plain": "\n<tool_response>\n{text}\n</tool_response>\n",
+    "chatml": "\n<|im_start|>user\n<tool_response>\n{text}\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+}
+FEEDBACK_FORMAT = os.environ.get("TOOL_FEEDBACK_FORMAT", "plain")
+if FEEDBACK_FORMAT not in FEEDBACK_TEMPLATES:
+    raise ValueError(
+        f"TOOL_FEEDBACK_FORMAT={FEEDBACK_FORMAT!r} is not one of: {', '.join(FEEDBACK_TEMPLATES)}"
+    )
+
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 
@@ -38,11 +55,12 @@ class ToolCallError(Exception):
 
 @dataclass(frozen=True)
 class Param:
-    """One argument of a tool: its JSON name, Python type and a description for the prompt."""
+    """One argument of a tool: its JSON name, Python type, a description and an example value for the prompt."""
 
     name: str
     type: type
     description: str
+    example: Any = "..."
 
 
 @dataclass(frozen=True)
@@ -59,7 +77,7 @@ class Tool:
     fn: Callable[..., str] = field(compare=False, repr=False)
 
     def example_arguments(self) -> dict[str, Any]:
-        return {p.name: "..." for p in self.params}
+        return {p.name: p.example for p in self.params}
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,8 @@ def parse_tool_call(raw: str, tools: Mapping[str, Tool]) -> ToolCall:
             f"the tool call is not valid JSON ({exc.msg} at position {exc.pos}); expected "
             '{"name": "<tool name>", "arguments": {...}}'
         ) from None
+    except RecursionError:
+        raise ToolCallError("the tool call JSON is nested too deeply") from None
     if not isinstance(payload, dict):
         raise ToolCallError(f"the tool call must be a JSON object, got {_type_name(payload)}")
     name = payload.get("name")
@@ -170,8 +190,8 @@ def truncate(text: str, limit: int = MAX_RESPONSE_CHARS) -> str:
 
 
 def wrap_response(text: str) -> str:
-    """Environment feedback as appended to the context after a model turn."""
-    return f"\n<tool_response>\n{truncate(text)}\n</tool_response>\n"
+    """Environment feedback as appended to the context after a model turn (see FEEDBACK_TEMPLATES)."""
+    return FEEDBACK_TEMPLATES[FEEDBACK_FORMAT].format(text=truncate(text))
 
 
 def handle_action(action_text: str, tools: Sequence[Tool] | Mapping[str, Tool]) -> ActionOutcome:
@@ -186,11 +206,15 @@ def handle_action(action_text: str, tools: Sequence[Tool] | Mapping[str, Tool]) 
 
     raw = extract_tool_call(action_text)
     if raw is None:
-        example = next(iter(by_name.values()))
+        example = next(iter(by_name.values()), None)
+        call = (
+            json.dumps({"name": example.name, "arguments": example.example_arguments()})
+            if example is not None
+            else '{"name": "<tool name>", "arguments": {...}}'
+        )
         hint = (
-            "Error: no tool call or answer found. Call a tool with "
-            f"{TOOL_CALL_OPEN}{json.dumps({'name': example.name, 'arguments': example.example_arguments()})}"
-            f"{TOOL_CALL_CLOSE} or give the final answer as {ANSWER_OPEN}...{ANSWER_CLOSE}."
+            f"Error: no tool call or answer found. Call a tool with {TOOL_CALL_OPEN}{call}{TOOL_CALL_CLOSE} "
+            f"or give the final answer as {ANSWER_OPEN}...{ANSWER_CLOSE}."
         )
         return ActionOutcome(kind="none", feedback=wrap_response(hint))
 
@@ -210,6 +234,40 @@ def handle_action(action_text: str, tools: Sequence[Tool] | Mapping[str, Tool]) 
             tool_name=call.name,
         )
     return ActionOutcome(kind="tool", feedback=wrap_response(str(output)), tool_name=call.name)
+
+
+@dataclass
+class EpisodeStats:
+    """Per-trajectory counters, reported as OpenRLHF ``extra_logs``.
+
+    OpenRLHF keeps only the last step's ``extra_logs``, so the counts are cumulative, and
+    the keys are the same at every step so that they batch across trajectories.
+    """
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    no_action_turns: int = 0
+    answered: bool = False
+
+    def record(self, outcome: ActionOutcome) -> None:
+        self.turns += 1
+        if outcome.kind == "answer":
+            self.answered = True
+        elif outcome.kind == "none":
+            self.no_action_turns += 1
+        else:
+            self.tool_calls += 1
+            self.tool_errors += outcome.kind == "error"
+
+    def logs(self) -> dict[str, float]:
+        return {
+            "turns": float(self.turns),
+            "tool_calls": float(self.tool_calls),
+            "tool_errors": float(self.tool_errors),
+            "no_action_turns": float(self.no_action_turns),
+            "answered": float(self.answered),
+        }
 
 
 def render_instructions(tools: Sequence[Tool]) -> str:
@@ -241,15 +299,13 @@ _PUNCTUATION = frozenset(string.punctuation)
 
 
 def parse_number(text: str) -> float | None:
-    """The single number in ``text`` ("$1,250", "42 km", "-3.5"), or None if there is not exactly one."""
+    """The single finite number in ``text`` ("$1,250", "42 km", "-3.5"), or None if there is not exactly one."""
     cleaned = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text.strip())
     found = _NUMBER_RE.findall(cleaned)
     if len(found) != 1:
         return None
-    try:
-        return float(found[0])
-    except ValueError:
-        return None
+    value = float(found[0])
+    return value if math.isfinite(value) else None  # "1e999" must not equal everything
 
 
 def normalize_text(text: str) -> str:
@@ -261,4 +317,7 @@ def normalize_text(text: str) -> str:
 
 
 def numbers_equal(a: float, b: float) -> bool:
+    """Equal up to float rounding (relative 1e-6); never true for inf or nan."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return False
     return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))

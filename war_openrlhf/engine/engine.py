@@ -327,6 +327,18 @@ class WarEngine:
             out["war"] = await self._rpc("war_index_stats", False)
         return out
 
+    async def reset_index(self) -> dict[str, Any]:
+        """Start the replica afresh (empty index, new switch measurements) and forget the log
+        position: the next ``push_log`` may start again at seq 1 (a new pool / log)."""
+        if self.config.speculation == "vllm_suffix":
+            raise ValueError("reset_index: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        async with self._flush_lock:
+            self._pending.clear()
+            self._pending_since = None
+            self._last_seq_sent = 0
+            await self._rpc("war_install_index", asdict(self.config.index), asdict(self.config.switch), None)
+        return await self.stats()
+
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
 

@@ -70,8 +70,14 @@ def tiny_model_spec(
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
     initializer_range: float = 0.1,
+    lm_head_scale: float = 1.0,
 ) -> dict[str, Any]:
-    """The (validated) build spec ``build_tiny_model`` writes to its manifest."""
+    """The (validated) build spec ``build_tiny_model`` writes to its manifest.
+
+    ``lm_head_scale`` > 1 sharpens the next-token distribution (the output projection is
+    multiplied by it): a random model samples near-uniformly, a trained agent policy does not;
+    rollout benchmarks use a sharpened model so that sampled outputs at temperature 1 have the
+    low entropy (and the repetition across a GRPO group) of a trained policy."""
     if not isinstance(vocab_size, int) or not 300 <= vocab_size <= 65536:
         raise ValueError(
             f"vocab_size: must be an int in [300, 65536] (256 bytes + specials + merges), got {vocab_size!r}"
@@ -83,7 +89,11 @@ def tiny_model_spec(
         raise ValueError(f"num_kv_heads: {kv} does not divide num_heads={num_heads}")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+    if not lm_head_scale > 0:
+        raise ValueError(f"lm_head_scale: must be > 0, got {lm_head_scale!r}")
+    extra = {} if lm_head_scale == 1.0 else {"lm_head_scale": float(lm_head_scale)}
     return {
+        **extra,
         "format": _FORMAT,
         "vocab_size": vocab_size,
         "seed": int(seed),
@@ -264,6 +274,7 @@ def _write_model(out: Path, spec: dict[str, Any]) -> None:
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * spec["initializer_range"])
+            model.lm_head.weight.mul_(spec.get("lm_head_scale", 1.0))
     finally:
         torch.random.set_rng_state(saved_rng)
     model = model.to(dtype)

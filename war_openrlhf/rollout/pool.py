@@ -152,6 +152,7 @@ class RolloutPool:
         self._deferrals = 0
         self._tokens_generated = 0
         self._started_handles = False
+        self._index_attached = False
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -269,6 +270,17 @@ class RolloutPool:
         if alive and min(alive) > self.log.first_seq:
             self.log.truncate(min(alive))
 
+    async def _reset_indexes(self) -> None:
+        for e in self.engines:
+            if e.healthy and self.config.engine.speculation != "vllm_suffix":
+                try:
+                    await e.call("reset_index")
+                    e.log_sent = 0
+                except Exception as exc:
+                    if not _actor_died(exc):
+                        raise
+                    self._mark_dead(e, exc)
+
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.log_sync_interval_s)
@@ -325,6 +337,9 @@ class RolloutPool:
         self._batch_index += 1
         if hasattr(self.policy, "start_batch"):
             self.policy.start_batch()
+        if not self._index_attached:  # this pool's log starts at seq 1: engines' replicas start afresh
+            await self._reset_indexes()
+            self._index_attached = True
         await self.engine_stats()  # KV capacities for the dispatcher
         self._redispatched = self._deferrals = 0
         turns0 = [e.turns for e in self.engines]

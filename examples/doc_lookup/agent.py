@@ -1,0 +1,68 @@
+"""OpenRLHF agent for fact lookup in a local knowledge base with ``search`` and ``open`` tools.
+
+Load it with ``--train.agent_func_path examples/doc_lookup/agent.py``. The knowledge base
+(200 synthetic articles and their BM25 index) is rebuilt in memory once per process from
+``kb_corpus.CORPUS_SEED``; each trajectory gets its own ``AgentInstance``:
+
+- ``<answer>...</answer>`` ends the episode with reward 1.0 if it equals the label after
+  normalization (case, punctuation, articles, spaces), else 0.0;
+- ``<tool_call>{"name": "search", "arguments": {"query": ...}}</tool_call>`` returns the top
+  articles (id | title | best sentence); ``open`` with ``{"doc_id": ...}`` returns one article;
+- a malformed call, or a turn with neither, gets an ``Error: ...`` observation and the
+  episode goes on.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+# OpenRLHF loads this file by path, so its neighbours are put on sys.path explicitly.
+_HERE = Path(__file__).resolve().parent
+for _path in (str(_HERE), str(_HERE.parent / "common")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from kb_search import knowledge_base  # noqa: E402
+from tool_protocol import EpisodeStats, handle_action, normalize_text  # noqa: E402
+
+
+def reward(answer_text: str, label: str) -> float:
+    """1.0 for an exact match after normalization ("48,200" matches "48200", "The Ada Quist." matches "ada quist")."""
+    return 1.0 if normalize_text(answer_text) == normalize_text(label) else 0.0
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.stats = EpisodeStats()
+        self.tools = knowledge_base().tools()
+
+    async def reset(self, states: dict, **kwargs):
+        self.stats = EpisodeStats()
+        return {"observation": states["observation"]}
+
+    async def step(self, states: dict, **kwargs):
+        outcome = handle_action(states["action_text"], self.tools)
+        self.stats.record(outcome)
+        if outcome.kind == "answer":
+            score = reward(outcome.answer, states["label"])
+            feedback, done = "", True
+        else:
+            score = 0.0
+            feedback, done = outcome.feedback, False
+        return {
+            "rewards": torch.tensor(score),
+            "scores": torch.tensor(score),
+            "environment_feedback": feedback,
+            "done": done,
+            "sampling_params": states.get("sampling_params", None),
+            "extra_logs": self.stats.logs(),
+        }
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
