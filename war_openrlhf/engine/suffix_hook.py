@@ -689,7 +689,12 @@ def __getattr__(name: str) -> Any:
     # OpenRLHF engines already set worker_extension_cls to its WorkerWrap (weight
     # sync); vLLM takes one class, so offer both, built on first use.
     if name == "OpenRLHFWarWorkerWrap":
-        from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+        import torch
+
+        if torch.cuda.is_available():
+            from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+        else:  # OpenRLHF's WorkerWrap is CUDA/NCCL-only; the CPU stand-in lives in cpu_support
+            from ..cpu_support import CpuWorkerWrap as WorkerWrap
 
         cls = type(name, (WorkerWrap, WarWorkerExtension), {"__module__": __name__, "__qualname__": name})
         globals()[name] = cls

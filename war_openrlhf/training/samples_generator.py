@@ -1,0 +1,186 @@
+"""OpenRLHF's samples generator, with rollouts by the WAR pool.
+
+:class:`WarSamplesGenerator` keeps the contract of OpenRLHF 0.11.2's
+``SamplesGenerator`` (``generate_samples(**generate_kwargs) -> (experiences,
+filter_pass_rate, prompts_consumed, exhausted)``, ``generate_eval_samples``, the
+``vllm_generate_batch_size`` over-sampling buffer, dynamic filtering by group score), so
+OpenRLHF's trainers (sync and async) run it unchanged. What differs is underneath: prompts go
+to a :class:`~war_openrlhf.rollout.RolloutPool` (per-turn dispatch, global suffix index,
+load-aware speculation) instead of whole prompts to engine actors running
+``MultiTurnAgentExecutor``; trajectories come back as OpenRLHF ``Experience`` objects built by
+OpenRLHF's own conversion (:func:`~war_openrlhf.rollout.to_experiences`).
+
+``metrics`` holds the last rollout's figures (throughput, speculation, cache, per-engine
+load, rewards, episode lengths). They are written to TensorBoard by the generator itself
+(``<tensorboard_dir>/<run_name>/war``, one point per rollout batch), so the sync and the
+async trainer log them alike, and the sync trainer also merges them into its step log.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..rollout import RolloutConfig, RolloutPool, to_experiences
+
+
+def rollout_metrics(result, pool: RolloutPool, before: list[dict], after: list[dict]) -> dict[str, float]:
+    """Scalars for one rollout batch (names as they appear in TensorBoard under train/)."""
+    m: dict[str, float] = {
+        "war/rollout_tokens_per_s": result.tokens_per_s,
+        "war/rollout_wall_s": result.wall_s,
+        "war/generated_tokens": float(result.generated_tokens),
+        "war/turns": float(result.turns),
+        "war/prefix_hit_rate_engine": result.prefix_hit_rate,
+        "war/redispatched_turns": float(result.redispatched_turns),
+        "war/deferred_turns": float(result.deferrals),
+        "war/episode_turns_mean": float(np.mean([len(t.turns) for t in result.trajectories])),
+        "war/episode_tokens_mean": float(np.mean([len(t.token_ids) for t in result.trajectories])),
+        "war/reward_mean": float(np.mean([t.reward for t in result.trajectories])),
+        "war/episodes_failed": float(sum(t.end_reason.endswith("error") for t in result.trajectories)),
+    }
+    # the dispatcher's own estimate of prefix hits (WAR's block model), when it has one
+    policy = pool.policy
+    if hasattr(policy, "index"):
+        est = [policy.cached_tokens(r.engine, np.asarray(t.token_ids[:r.start], dtype=np.int32))
+               for t in result.trajectories for r in t.turns[:1]]
+        prompt = [r.start for t in result.trajectories for r in t.turns[:1]]
+        m["war/prefix_hit_rate_dispatcher_first_turn"] = sum(est) / max(sum(prompt), 1)
+    tot = {k: 0.0 for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "generation_tokens",
+                            "steps")}
+    for b, a in zip(before, after):
+        for k in tot:
+            tot[k] += float(a.get(k, 0) or 0) - float(b.get(k, 0) or 0)
+    m["war/tokens_per_engine_step"] = tot["generation_tokens"] / tot["steps"] if tot["steps"] else 0.0
+    m["war/spec_acceptance_rate"] = (tot["spec_accepted_tokens"] / tot["spec_draft_tokens"]
+                                     if tot["spec_draft_tokens"] else 0.0)
+    m["war/tokens_per_verification_step"] = (1.0 + tot["spec_accepted_tokens"] / tot["spec_drafts"]
+                                             if tot["spec_drafts"] else 1.0)
+    fr = [s.get("war", {}).get("switch", {}).get("spec_step_fraction") for s in after]
+    fr = [f for f in fr if f is not None]
+    m["war/speculating_fraction"] = float(np.mean(fr)) if fr else 0.0
+    for i, n in enumerate(result.engine_turns):
+        m[f"war/engine{i}_turns"] = float(n)
+    for i, s in enumerate(after):
+        m[f"war/engine{i}_kv_usage"] = float(s.get("kv_cache_usage", 0.0) or 0.0)
+    return m
+
+
+def run_coroutine(coro):
+    """Run ``coro`` to completion from sync code, even inside a running event loop (an async
+    Ray actor): then on a fresh loop in a helper thread."""
+    import asyncio
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
+
+
+class WarSamplesGenerator:
+    """Drop-in for ``openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator``."""
+
+    def __init__(self, strategy, prompts_dataloader, eval_dataloader, tokenizer, vllm_engines,
+                 rollout_config: RolloutConfig) -> None:
+        self.strategy = strategy
+        self.args = strategy.args
+        self.tokenizer = tokenizer
+        self.vllm_engines = list(vllm_engines or [])
+        self.prompts_dataloader = prompts_dataloader
+        self.eval_dataloader = eval_dataloader
+        self.pool = RolloutPool(rollout_config, self.vllm_engines, tokenizer=tokenizer)
+        self.metrics: dict[str, float] = {}
+        self._sample_buffer: list = []
+        self._dataloader_iter = None
+        self._writer = None
+        self._batches = 0
+        tb = getattr(getattr(self.args, "logger", None), "tensorboard_dir", None)
+        if tb:
+            import os
+
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=os.path.join(tb, self.args.logger.wandb.run_name, "war"))
+
+    def _log(self) -> None:
+        self._batches += 1
+        if self._writer is not None:
+            for k, v in self.metrics.items():
+                self._writer.add_scalar(k, v, self._batches)
+            self._writer.flush()
+
+    def _rollout(self, prompts, labels, **generate_kwargs) -> list:
+        cfg = self.pool.config
+        n = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
+        if "temperature" in generate_kwargs:
+            cfg.temperature = float(generate_kwargs["temperature"])
+        if "top_p" in generate_kwargs:
+            cfg.top_p = float(generate_kwargs["top_p"])
+        async def run():
+            before = [dict(s) for s in await self.pool.engine_stats()]
+            res = await self.pool.run_batch_async(prompts, labels, n_samples_per_prompt=n)
+            return res, before
+
+        res, before = run_coroutine(run())
+        self.metrics = rollout_metrics(res, self.pool, before, res.engine_stats)
+        self._log()
+        max_len = int(generate_kwargs.get("max_len", cfg.max_context_tokens))
+        return to_experiences(res.trajectories, max_len=max_len), n
+
+    def _filtered(self, experiences, n: int):
+        """OpenRLHF's dynamic filtering: drop groups whose mean score is outside the range."""
+        if not self.args.algo.dynamic_filtering_enable:
+            return experiences
+        lo, hi = self.args.algo.dynamic_filtering_range
+        kept = []
+        for i in range(0, len(experiences), n):
+            group = experiences[i:i + n]
+            scores = [float(e.scores[0]) for e in group if e.scores is not None]
+            if not scores or lo < sum(scores) / len(scores) < hi:
+                kept.extend(group)
+        return kept
+
+    def generate_samples(self, **generate_kwargs):
+        from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+
+        if self._dataloader_iter is None and not self._sample_buffer:
+            self._dataloader_iter = iter(self.prompts_dataloader)
+        chunk = self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt
+        consumed, pass_rate = 0, None
+        if len(self._sample_buffer) < chunk and self._dataloader_iter is not None:
+            gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
+            prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, gen_batch)
+            consumed = len(prompts)
+            if prompts:
+                t0 = time.time()
+                exps, n = self._rollout(prompts, labels, **generate_kwargs)
+                kept = self._filtered(exps, n)
+                if self.args.algo.dynamic_filtering_enable and consumed:
+                    pass_rate = len(kept) / max(len(exps), 1) * 100
+                self.metrics["war/generate_samples_s"] = time.time() - t0
+                self._sample_buffer.extend(kept)
+            if exhausted:
+                self._dataloader_iter = None
+        out = self._sample_buffer[:chunk]
+        self._sample_buffer = self._sample_buffer[chunk:]
+        exhausted = self._dataloader_iter is None and not self._sample_buffer
+        return out, pass_rate, consumed, exhausted
+
+    def generate_eval_samples(self, **generate_kwargs):
+        from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+
+        it = iter(self.eval_dataloader)
+        out = []
+        while True:
+            prompts, labels, _images, exhausted = _collect_prompt_batch(it, self.args.rollout.batch_size)
+            if prompts:
+                exps, _ = self._rollout(prompts, labels, **generate_kwargs)
+                out.extend(exps)
+            if exhausted or not prompts:
+                return out
