@@ -242,9 +242,14 @@ def test_context_limits_end_cleanly(pool):
     for t in res.trajectories:
         t.check()
         assert t.end_reason == "max_context" and len(t.token_ids) <= 400
-    too_long = _sibling(pool, max_context_tokens=64).run_batch(["word " * 200], ["ok"], n_samples_per_prompt=1)
+    too_long = _sibling(pool, max_context_tokens=64, prompt_overflow="end").run_batch(
+        ["word " * 200], ["ok"], n_samples_per_prompt=1)
     (t,) = too_long.trajectories
     assert t.end_reason == "prompt_too_long" and t.turns == [] and "max_context_tokens" in t.error
+    cut = _sibling(pool, max_context_tokens=64).run_batch(["word " * 200], ["ok"], n_samples_per_prompt=1)
+    (t,) = cut.trajectories  # OpenRLHF's rule: the prompt's last 64 - 32 tokens, then turns
+    t.check()
+    assert t.turns and t.turns[0].start == 32 and t.extra_logs["prompt_truncated_tokens"] > 0
 
 
 @pytest.mark.parametrize("task", ["arithmetic_calculator", "sql_qa", "doc_lookup"])

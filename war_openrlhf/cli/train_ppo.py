@@ -33,9 +33,14 @@ from ..rollout import RolloutConfig
 
 
 def _coerce(text: str) -> Any:
+    """A command-line value as YAML reads it, except that on/off/yes/no stay strings
+    (``--war.engine.speculation off``); only true/false are booleans."""
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, bool) and text.strip().lower() not in ("true", "false"):
+        return text
+    return value
 
 
 def _set_dotted(d: dict, dotted: str, value: Any) -> None:

@@ -40,6 +40,8 @@ class RolloutConfig:
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
     progress: bool = True
+    dump_dir: str = ""
+    prompt_overflow: str = "truncate"
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, dict):
@@ -58,6 +60,9 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.on_tool_error: '{self.on_tool_error}' is not one of "
                              f"{', '.join(ON_TOOL_ERROR)} (observe: the error becomes the tool's "
                              "output; end: the episode ends with reward 0)")
+        if self.prompt_overflow not in ("truncate", "end"):
+            raise ValueError(f"RolloutConfig.prompt_overflow: '{self.prompt_overflow}' is not one of truncate, end "
+                             "(truncate: keep the prompt's last tokens, as OpenRLHF does; end: end the episode)")
         if not self.tool_timeout_s > 0:
             raise ValueError(f"RolloutConfig.tool_timeout_s: must be > 0 seconds, got {self.tool_timeout_s}")
         if not self.temperature >= 0:

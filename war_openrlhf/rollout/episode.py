@@ -85,13 +85,21 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         raise ValueError("reset() must return a dict with a str 'observation'")
     observation_text = reset["observation"]
     tokens = _encode(tokenizer, observation_text)
+    room = cfg.max_context_tokens - min(cfg.max_new_tokens_per_turn, cfg.max_context_tokens - 1)
+    if len(tokens) > room:
+        if cfg.prompt_overflow == "end":
+            traj.token_ids, traj.action_mask, traj.logprobs = list(tokens), [0] * len(tokens), [0.0] * len(tokens)
+            traj.end_reason = "prompt_too_long"
+            traj.error = (f"prompt has {len(tokens)} tokens; max_context_tokens {cfg.max_context_tokens} leaves "
+                          f"{room} after one turn of max_new_tokens_per_turn")
+            return
+        # OpenRLHF's MultiTurnAgentExecutor: keep the last tokens, leave room for one turn
+        traj.extra_logs["prompt_truncated_tokens"] = float(len(tokens) - room)
+        tokens = tokens[-room:]
+        observation_text = tokenizer.decode(tokens, skip_special_tokens=False)
     traj.token_ids = list(tokens)
     traj.action_mask = [0] * len(tokens)
     traj.logprobs = [0.0] * len(tokens)
-    if len(tokens) + 1 > cfg.max_context_tokens:
-        traj.end_reason = "prompt_too_long"
-        traj.error = (f"prompt has {len(tokens)} tokens; max_context_tokens is {cfg.max_context_tokens}")
-        return
     sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p}
     generated = 0
     for turn in range(cfg.max_turns):

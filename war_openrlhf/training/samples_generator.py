@@ -130,8 +130,22 @@ class WarSamplesGenerator:
         res, before = run_coroutine(run())
         self.metrics = rollout_metrics(res, self.pool, before, res.engine_stats)
         self._log()
+        if cfg.dump_dir:
+            self._dump(res.trajectories)
         max_len = int(generate_kwargs.get("max_len", cfg.max_context_tokens))
         return to_experiences(res.trajectories, max_len=max_len), n
+
+    def _dump(self, trajectories) -> None:
+        """One JSONL file per rollout batch: every trajectory with its tokens, mask, logprobs,
+        turns and policy version (for audits: which weights produced which sample)."""
+        import json
+        import os
+
+        os.makedirs(self.pool.config.dump_dir, exist_ok=True)
+        path = os.path.join(self.pool.config.dump_dir, f"rollout_{self._batches:04d}.jsonl")
+        with open(path, "w") as fh:
+            for t in trajectories:
+                fh.write(json.dumps({**t.to_dict(), "policy_version": self.pool.policy_version}) + "\n")
 
     def _filtered(self, experiences, n: int):
         """OpenRLHF's dynamic filtering: drop groups whose mean score is outside the range."""
