@@ -132,7 +132,8 @@ def _ray_init(war: dict) -> None:
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
         ENV_CONFIG: json.dumps(war),
     }
-    for k in ("VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONPATH", "DS_BUILD_OPS"):
+    for k in ("VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONPATH", "DS_BUILD_OPS",
+              "TOOL_FEEDBACK_FORMAT", "SQL_QA_DB"):  # the example agents read the last two
         if k in os.environ:
             env[k] = os.environ[k]
     os.environ[ENV_CONFIG] = env[ENV_CONFIG]
