@@ -2,8 +2,10 @@
 
     python -m war_openrlhf.cli.cpu_demo [--config configs/cpu_demo.yaml] [--out runs/cpu_demo]
 
-1. builds the small agent policy (:mod:`war_openrlhf.engine.tiny_policy`: a tiny Llama trained
-   locally on scripted tool-use transcripts; cached under ``.cache/``);
+1. builds the model locally (cached under ``.cache/``): the tiny random Llama of
+   :mod:`war_openrlhf.engine.tiny_model`, or, when the config names ``.cache/war_tiny_policy``,
+   the small agent policy of :mod:`war_openrlhf.engine.tiny_policy` (trained on scripted
+   tool-use transcripts);
 2. writes the arithmetic word-problem dataset (``examples/arithmetic_calculator``);
 3. runs ``war-train --config configs/cpu_demo.yaml``: 2 WAR engines, the calculator agent,
    OpenRLHF's GRPO trainer, weight sync to the engines after every step;
@@ -38,12 +40,17 @@ def main(argv: list[str] | None = None) -> None:
     o = cfg["openrlhf"]
     out = Path(args.out).absolute()
 
-    from ..engine.tiny_policy import build_tiny_policy
-
     model_dir = Path(o["actor.model_name_or_path"])
     model_dir = model_dir if model_dir.is_absolute() else ROOT / model_dir
-    print(f"[1/4] agent policy: {model_dir}", flush=True)
-    build_tiny_policy(model_dir)
+    print(f"[1/4] model: {model_dir}", flush=True)
+    if model_dir.name == "war_tiny_policy":
+        from ..engine.tiny_policy import build_tiny_policy
+
+        build_tiny_policy(model_dir)
+    else:
+        from ..engine.tiny_model import build_tiny_model
+
+        build_tiny_model(model_dir)
 
     data = Path(o["data.prompt_dataset"])
     data = data if data.is_absolute() else ROOT / data
