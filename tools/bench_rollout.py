@@ -174,7 +174,8 @@ def main(argv=None):
     cuda = cuda_available()
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     agent_cls = load_agent_class(agent_file)
-    ray.init(num_cpus=None if cuda else max(args.engines, os.cpu_count() or 1), include_dashboard=False,
+    # CPU: logical CPUs for both engine sets (the WAR engines' placement group keeps its bundles)
+    ray.init(num_cpus=None if cuda else 2 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     dtype = "bfloat16" if cuda else "float32"
     cfg_kwargs = dict(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=64,
