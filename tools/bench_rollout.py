@@ -24,10 +24,10 @@ suffix index afresh, and the speculation mode is set. The per-turn token budget 
 median run. Loads: ``low`` = ``--low-prompts`` prompts per engine, ``high`` =
 ``--high-prompts`` (x ``--n-samples`` episodes each).
 
-Model (``--model``): ``policy`` (default) is the small SFT-trained agent policy of
-:mod:`war_openrlhf.engine.tiny_policy` (well-formed tool calls, turns that end); ``random``
-the random-init tiny model; or a model directory. On a CUDA machine the same command runs
-the real engines (CUDA vLLM) unchanged; pass a real model directory with ``--model``.
+Model (``--model``): ``random`` (default) is the random-init tiny model built locally, or a
+model directory (a real model). On a
+CUDA machine the same command runs the real engines (CUDA vLLM) unchanged; pass a real model
+directory with ``--model``.
 """
 
 from __future__ import annotations
@@ -69,17 +69,13 @@ def load_task(name: str):
 
 
 def resolve_model(arg: str) -> Path:
-    if arg == "policy":
-        from war_openrlhf.engine.tiny_policy import build_tiny_policy
-
-        return build_tiny_policy()
     if arg == "random":
         from war_openrlhf.engine.tiny_model import build_tiny_model
 
         return build_tiny_model(ROOT / ".cache" / "war_tiny_llama")
     p = Path(arg)
     if not (p / "config.json").is_file():
-        raise SystemExit(f"--model: {arg} is neither 'policy', 'random' nor a model directory")
+        raise SystemExit(f"--model: {arg} is neither 'random' nor a model directory")
     return p
 
 
@@ -139,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--load", choices=("low", "high"), default="low")
     ap.add_argument("--json", required=True)
-    ap.add_argument("--model", default="policy")
+    ap.add_argument("--model", default="random")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--n-samples", type=int, default=4)
     ap.add_argument("--low-prompts", type=int, default=1, help="prompts per engine at low load")

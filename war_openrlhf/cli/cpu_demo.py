@@ -2,10 +2,9 @@
 
     python -m war_openrlhf.cli.cpu_demo [--config configs/cpu_demo.yaml] [--out runs/cpu_demo]
 
-1. builds the model locally (cached under ``.cache/``): the tiny random Llama of
-   :mod:`war_openrlhf.engine.tiny_model`, or, when the config names ``.cache/war_tiny_policy``,
-   the small agent policy of :mod:`war_openrlhf.engine.tiny_policy` (trained on scripted
-   tool-use transcripts);
+1. builds the tiny Llama + BPE tokenizer of :mod:`war_openrlhf.engine.tiny_model` locally
+   (cached under ``.cache/``) when the config names a directory that does not exist yet
+   (a real model directory is used as it is);
 2. writes the arithmetic word-problem dataset (``examples/arithmetic_calculator``);
 3. runs ``war-train --config configs/cpu_demo.yaml``: 2 WAR engines, the calculator agent,
    OpenRLHF's GRPO trainer, weight sync to the engines after every step;
@@ -43,11 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = Path(o["actor.model_name_or_path"])
     model_dir = model_dir if model_dir.is_absolute() else ROOT / model_dir
     print(f"[1/4] model: {model_dir}", flush=True)
-    if model_dir.name == "war_tiny_policy":
-        from ..engine.tiny_policy import build_tiny_policy
-
-        build_tiny_policy(model_dir)
-    else:
+    if not (model_dir / "config.json").is_file() or (model_dir / "war_tiny_model.json").is_file():
         from ..engine.tiny_model import build_tiny_model
 
         build_tiny_model(model_dir)
