@@ -120,3 +120,34 @@ def test_rollouts_after_step_one_come_from_the_updated_weights(trained_run):
     _, ref1 = _hf_logprobs(w1, second)
     assert np.abs(got - ref1).max() < 0.1  # rollout 2: the weights after step 1 ...
     assert np.abs(got - ref0).max() > 0.5  # ... and not the initial ones
+
+
+def test_async_trainer_runs_with_the_war_pool(tmp_path):
+    """--train.async_enable: OpenRLHF's PPOTrainerAsync, its rollout actor's samples generator
+    replaced by the WAR pool (the generator logs its own war/ scalars)."""
+    from war_openrlhf.engine.tiny_model import build_tiny_model
+
+    model = build_tiny_model(MODEL_DIR)
+    data = tmp_path / "train.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "arithmetic_calculator" / "dataset.py"),
+                    "--out", str(data), "--n", "8", "--seed", "2"], check=True, capture_output=True)
+    cfg = yaml.safe_load((ROOT / "configs" / "cpu_demo.yaml").read_text())
+    cfg["openrlhf"].update({"actor.model_name_or_path": str(model), "data.prompt_dataset": str(data),
+                            "data.max_samples": 4, "data.max_len": 512, "rollout.batch_size": 2,
+                            "rollout.n_samples_per_prompt": 2, "rollout.micro_batch_size": 2,
+                            "train.batch_size": 4, "train.micro_batch_size": 2, "train.async_enable": True,
+                            "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
+                            "ckpt.output_dir": str(tmp_path / "model")})
+    cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 32, "progress": False})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.run([sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--config", str(tmp_path / "run.yaml")],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    war_events = list((tmp_path / "tb").rglob("war/events.out.tfevents.*"))
+    assert war_events, "the WAR generator wrote no scalars"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(war_events[0]))
+    acc.Reload()
+    assert len(acc.Scalars("war/rollout_tokens_per_s")) == 2

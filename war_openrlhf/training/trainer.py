@@ -126,7 +126,12 @@ def _async_trainer_cls():
 
         def __init__(self, *args, **kwargs) -> None:
             _prepare_cpu()
-            mod.GenerateSamplesActor = ray.remote(WarGenerateSamplesActor)  # in this actor's process only
+            # In this actor's process only. Ray ships OpenRLHF's trainer class by value (the
+            # module attribute is its ActorClass wrapper), so its __init__ reads its own copy
+            # of the module globals: patch that copy, and the module for good measure.
+            war_gen = ray.remote(WarGenerateSamplesActor)
+            trainer_base.__init__.__globals__["GenerateSamplesActor"] = war_gen
+            mod.GenerateSamplesActor = war_gen
             super().__init__(*args, **kwargs)
 
     return WarPPOTrainerAsync
