@@ -1,0 +1,202 @@
+"""The tiny trained agent policy: scripted transcripts (token stream, action mask, rewards)
+and the build (loadable, reused when the spec matches, rebuilt when it changes).
+
+Builds here train for a handful of steps only; the real build takes minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from war_openrlhf.engine import tiny_policy  # noqa: E402
+from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.engine.tiny_policy import TASKS, build_tiny_policy, read_manifest, scripted_transcripts  # noqa: E402
+
+# A build small enough for a unit test: a few steps, a few transcripts, a short check.
+SMALL = dict(
+    steps=3,
+    batch_sizes={task: 2 for task in TASKS},
+    n_train=6,
+    n_eval=2,
+    n_samples=2,
+    n_sample_prompts=1,
+    max_new_tokens=8,
+    episode_turns=1,
+    num_threads=1,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One intra-op thread: these tensors are tiny, and on a busy machine a second thread mostly waits."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **tiny_policy.DEFAULT_MODEL)
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def _runs(mask):
+    """(start, end, value) of each maximal run of equal values in ``mask``."""
+    out, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            out.append((start, i, mask[start]))
+            start = i
+    return out
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_transcripts_are_deterministic_and_mask_exactly_the_actions(tokenizer, task):
+    a = scripted_transcripts(tokenizer, task, 8, seed=3, error_rate=0.5, n_eval=2)
+    b = scripted_transcripts(tokenizer, task, 8, seed=3, error_rate=0.5, n_eval=2)
+    assert a == b and len(a) == 8
+    assert scripted_transcripts(tokenizer, task, 8, seed=4, error_rate=0.5, n_eval=2) != a
+
+    def ids(text):
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    eos = tokenizer.eos_token_id
+    for t in a:
+        assert len(t.input_ids) == len(t.action_mask)
+        assert len(t.actions) == len(t.feedbacks) >= 2
+        # feedback after every action but the last (the answer ends the episode)
+        assert all(t.feedbacks[:-1]) and t.feedbacks[-1] == ""
+        assert "<answer>" in t.actions[-1] and all("<tool_call>" in x for x in t.actions[:-1])
+        # rebuild the stream segment by segment: prompt, (action + EOS, feedback)*
+        expected_ids, expected_mask = ids(t.prompt), [False] * len(ids(t.prompt))
+        for action, feedback in zip(t.actions, t.feedbacks):
+            expected_ids += ids(action) + [eos]
+            expected_mask += [True] * (len(ids(action)) + 1)
+            expected_ids += ids(feedback)
+            expected_mask += [False] * len(ids(feedback))
+        assert list(t.input_ids) == expected_ids
+        assert list(t.action_mask) == expected_mask
+        # one masked run per action, each ending with the model's EOS; EOS only there
+        masked = [(s, e) for s, e, v in _runs(t.action_mask) if v]
+        assert len(masked) == len(t.actions)
+        assert all(t.input_ids[e - 1] == eos for _, e in masked)
+        assert sum(1 for x in t.input_ids if x == eos) == len(t.actions)
+        assert t.prompt_len == len(ids(t.prompt))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_scripted_answers_get_full_reward_from_the_agents_reward(tokenizer, task):
+    transcripts = scripted_transcripts(tokenizer, task, 10, seed=0, error_rate=1.0, n_eval=2)
+    protocol = tiny_policy._protocol()
+    agent = tiny_policy.load_task(task).agent
+    for t in transcripts:
+        assert t.reward == 1.0
+        answer = protocol.extract_answer(t.actions[-1])
+        assert agent.reward(answer, t.label) == 1.0
+    # error_rate=1.0: every episode holds one mistaken turn the environment complains about
+    # (an error) or that does not help (the wrong article), then the correct call
+    normal_turns = 3 if task == "doc_lookup" else 2
+    assert all(len(t.actions) == normal_turns + 1 for t in transcripts)
+    assert any("Error:" in f for t in transcripts for f in t.feedbacks)
+
+
+def test_held_out_prompts_are_not_trained_on(tokenizer):
+    for task in TASKS:
+        t = tiny_policy.load_task(task)
+        train, held, _ = tiny_policy._split_rows(t, 30, 5, seed=0)
+        assert len(held) == 5 and len(train) == 30
+        assert not {r["prompt"] for r, _ in held} & {r["prompt"] for r, _ in train}
+
+
+def test_build_is_loadable_idempotent_and_rebuilds_on_spec_change(tmp_path, monkeypatch):
+    out = tmp_path / "policy"
+    stale, recent = tmp_path / ".policy.build-killed", tmp_path / ".policy.build-running"
+    stale.mkdir()
+    recent.mkdir()
+    os.utime(stale, (0, 0))  # left by a build killed long ago
+    path = build_tiny_policy(out, **SMALL)
+    assert path == out.absolute()
+    names = sorted(p.name for p in path.iterdir())
+    assert "model.safetensors" in names and "tokenizer.json" in names and "war_tiny_model.json" not in names
+    # no build directory of its own left behind; a killed build's removed, a running one's kept
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [recent.name]
+
+    manifest = read_manifest(path)
+    assert manifest["spec"]["train"]["steps"] == SMALL["steps"]
+    results = manifest["results"]
+    assert results["train"]["final_loss"] > 0
+    for task in TASKS:
+        check = results["held_out"][task]
+        assert check["prompts"] == SMALL["n_eval"]
+        assert 0.0 <= check["greedy_valid_tool_call"] <= 1.0
+        assert 0 < check["greedy_mean_turn_tokens"] <= SMALL["max_new_tokens"]
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert model.config.vocab_size == len(tok)
+    ids = tok("<tool_call>", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+    # the same spec: reused, nothing trained or written
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("retrained although the spec matches")
+
+    monkeypatch.setattr(tiny_policy, "_train_and_check", no_training)
+    assert build_tiny_policy(out, **SMALL) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    monkeypatch.undo()
+
+    # a different spec: rebuilt in place
+    changed = {**SMALL, "steps": SMALL["steps"] + 1}
+    assert build_tiny_policy(out, **changed) == path
+    assert read_manifest(path)["spec"]["train"]["steps"] == changed["steps"]
+
+
+def test_build_is_deterministic(tmp_path):
+    a = build_tiny_policy(tmp_path / "a", **SMALL)
+    b = build_tiny_policy(tmp_path / "b", **SMALL)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    ra, rb = read_manifest(a)["results"], read_manifest(b)["results"]
+    assert ra["train"]["final_loss"] == rb["train"]["final_loss"]
+    assert ra["held_out"]["all"] == rb["held_out"]["all"]
+
+
+def test_build_refuses_a_foreign_directory_and_bad_specs(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match="not a tiny-policy build"):
+        build_tiny_policy(foreign, **SMALL)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ValueError, match="dtype"):
+        tiny_policy.tiny_policy_spec(dtype="bfloat16")
+    with pytest.raises(ValueError, match="head size"):
+        tiny_policy.tiny_policy_spec(hidden_size=96, num_heads=4)
+    with pytest.raises(ValueError, match="steps"):
+        tiny_policy.tiny_policy_spec(steps=-1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        tiny_policy.tiny_policy_spec(batch_sizes={"no_such_task": 2})
+
+
+def test_spec_records_what_changes_the_transcripts():
+    spec = tiny_policy.tiny_policy_spec()
+    assert spec["data"]["examples_digest"] == tiny_policy.examples_digest()
+    assert spec["data"]["feedback_format"] in ("plain", "chatml")
+    assert spec["model"]["dtype"] == "float32" and spec["model"]["head_dim"] == 32
+    assert json.loads(json.dumps(spec)) == spec  # what the manifest stores compares equal
+    assert tiny_policy.tiny_policy_spec(seed=1) != spec
