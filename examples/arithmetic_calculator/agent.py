@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
+
 from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
 # OpenRLHF loads this file by path, so its neighbours are put on sys.path explicitly.
@@ -25,7 +25,7 @@ for _path in (str(_HERE), str(_HERE.parent / "common")):
         sys.path.insert(0, _path)
 
 from calculator_tool import TOOLS  # noqa: E402
-from tool_protocol import EpisodeStats, handle_action, numbers_equal, parse_number  # noqa: E402
+from tool_protocol import step_result, EpisodeStats, handle_action, numbers_equal, parse_number  # noqa: E402
 
 
 def reward(answer_text: str, label: str) -> float:
@@ -43,22 +43,7 @@ class AgentInstance(AgentInstanceBase):
         return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs):
-        outcome = handle_action(states["action_text"], TOOLS)
-        self.stats.record(outcome)
-        if outcome.kind == "answer":
-            score = reward(outcome.answer, states["label"])
-            feedback, done = "", True
-        else:
-            score = 0.0
-            feedback, done = outcome.feedback, False
-        return {
-            "rewards": torch.tensor(score),
-            "scores": torch.tensor(score),
-            "environment_feedback": feedback,
-            "done": done,
-            "sampling_params": states.get("sampling_params", None),
-            "extra_logs": self.stats.logs(),
-        }
+        return step_result(handle_action(states["action_text"], TOOLS), states, self.stats, reward)
 
 
 class AgentExecutor(MultiTurnAgentExecutor):

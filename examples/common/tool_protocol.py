@@ -321,3 +321,23 @@ def numbers_equal(a: float, b: float) -> bool:
     if not (math.isfinite(a) and math.isfinite(b)):
         return False
     return abs(a - b) <= 1e-6 * max(1.0, abs(a), abs(b))
+
+
+def step_result(outcome, states: dict, stats, reward) -> dict:
+    """The dict an OpenRLHF ``AgentInstance.step`` returns for one handled action: the episode
+    ends with ``reward(answer, label)`` on an answer, else the tool's output (or error) goes back."""
+    import torch
+
+    stats.record(outcome)
+    if outcome.kind == "answer":
+        score, feedback, done = reward(outcome.answer, states["label"]), "", True
+    else:
+        score, feedback, done = 0.0, outcome.feedback, False
+    return {
+        "rewards": torch.tensor(score),
+        "scores": torch.tensor(score),
+        "environment_feedback": feedback,
+        "done": done,
+        "sampling_params": states.get("sampling_params", None),
+        "extra_logs": stats.logs(),
+    }

@@ -20,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-import torch
+
 from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
 # OpenRLHF loads this file by path, so its neighbours are put on sys.path explicitly.
@@ -30,7 +30,7 @@ for _path in (str(_HERE), str(_HERE.parent / "common")):
         sys.path.insert(0, _path)
 
 from sql_tool import make_tools  # noqa: E402
-from tool_protocol import EpisodeStats, handle_action, normalize_text, numbers_equal, parse_number  # noqa: E402
+from tool_protocol import step_result, EpisodeStats, handle_action, normalize_text, numbers_equal, parse_number  # noqa: E402
 
 DB_ENV_VAR = "SQL_QA_DB"
 
@@ -66,22 +66,7 @@ class AgentInstance(AgentInstanceBase):
         return {"observation": states["observation"]}
 
     async def step(self, states: dict, **kwargs):
-        outcome = handle_action(states["action_text"], self.tools)
-        self.stats.record(outcome)
-        if outcome.kind == "answer":
-            score = reward(outcome.answer, states["label"])
-            feedback, done = "", True
-        else:
-            score = 0.0
-            feedback, done = outcome.feedback, False
-        return {
-            "rewards": torch.tensor(score),
-            "scores": torch.tensor(score),
-            "environment_feedback": feedback,
-            "done": done,
-            "sampling_params": states.get("sampling_params", None),
-            "extra_logs": self.stats.logs(),
-        }
+        return step_result(handle_action(states["action_text"], self.tools), states, self.stats, reward)
 
 
 class AgentExecutor(MultiTurnAgentExecutor):
