@@ -156,6 +156,7 @@ class WarEngine:
             ) from exc
         self._stats_logger = holder.get("logger")
         self._flush_lock = asyncio.Lock()
+        await self._check_sampler()
         if cfg.speculation != "vllm_suffix":
             await self._rpc("war_install_index", asdict(cfg.index), asdict(cfg.switch), cfg.speculation)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
@@ -164,6 +165,28 @@ class WarEngine:
 
             self.executor = _load_agent_executor(self._agent_func_path)
         return await self.stats()
+
+    async def vllm_cpu_fixes(self) -> dict[str, Any]:
+        """What ``war_openrlhf.vllm_cpu_fixes`` applied in this engine's worker process, and whether
+        the rejection sampler it runs passes the expand probe (``sampler_sound``)."""
+        from ..vllm_cpu_fixes import worker_report
+
+        return (await self.llm.collective_rpc(worker_report))[0]
+
+    async def _check_sampler(self) -> None:
+        """Refuse to run a speculating engine whose sampler would sample a wrong distribution."""
+        from ..vllm_cpu_fixes import ENV_SWITCH
+
+        report = await self.vllm_cpu_fixes()
+        self.sampler_report = report
+        if not report["sampler_sound"] and os.environ.get(ENV_SWITCH) != "0":
+            await self.shutdown()
+            raise RuntimeError(
+                f"engine {self.engine_index}: vllm-cpu's spec-decode expand kernel is faulty in this engine's worker "
+                "and war_openrlhf's fix did not reach it (speculation at temperature > 0 would sample a wrong "
+                "distribution). The fix is the vLLM plugin 'war_vllm_cpu_fixes': reinstall war-openrlhf "
+                "(pip install -e .) and include it in VLLM_PLUGINS if you set that variable; "
+                f"{ENV_SWITCH}=0 runs the faulty kernel anyway")
 
     async def _rpc(self, method: str, *args: Any) -> Any:
         return (await self.llm.collective_rpc(method, args=args))[0]
