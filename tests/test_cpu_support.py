@@ -467,7 +467,9 @@ class AgentInstance(AgentInstanceBase):
 
     async def step(self, states, **kwargs):
         self.turns += 1
-        reward = torch.tensor(float(len(states["action_text"]) % 2))
+        # continuous, so that a GRPO group's advantages are almost never all zero (a parity
+        # reward tied a 2-sample group half the time and the test then saw no update)
+        reward = torch.tensor(len(states["action_text"]) / 100.0)
         return {"rewards": reward, "scores": reward, "environment_feedback": " ok ", "done": self.turns >= 2,
                 "sampling_params": states.get("sampling_params")}
 
