@@ -1,4 +1,4 @@
-"""war_openrlhf.cpu_support: the pure-torch flash-attn padding helpers against plain
+"""war_openrlhf.cpu: the pure-torch flash-attn padding helpers against plain
 references (values and gradients), the gloo weight-sync path, and - in subprocesses, so
 no patch reaches the other tests' OpenRLHF imports - that apply_cpu_support makes
 OpenRLHF's PPO modules importable and CPU-safe, is idempotent, installs itself in Ray
@@ -21,7 +21,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from war_openrlhf import cpu_support as cs
+from war_openrlhf import cpu
+from war_openrlhf.cpu import openrlhf_patches, torch_on_cpu, weight_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
@@ -79,7 +80,7 @@ def padded_batches(draw, with_unused=False):
 def test_unpad_input_matches_a_row_by_row_reference(data):
     hidden, mask, unused = data
     for um in (None, unused):
-        out, indices, cu, maxlen, used = cs.unpad_input(hidden, mask, um)
+        out, indices, cu, maxlen, used = cpu.unpad_input(hidden, mask, um)
         r_out, r_idx, r_cu, r_max, r_used = ref_unpad(hidden, mask, um)
         assert torch.equal(out, r_out)
         assert indices.tolist() == r_idx and indices.dtype == torch.long
@@ -90,7 +91,7 @@ def test_unpad_input_matches_a_row_by_row_reference(data):
 
 def test_unpad_input_like_flash_attn_rejects_inputs_without_a_feature_dim():
     with pytest.raises(AssertionError, match="at least 2 dims"):
-        cs.unpad_input(torch.ones(2, 3), torch.ones(2, 3, dtype=torch.long))
+        cpu.unpad_input(torch.ones(2, 3), torch.ones(2, 3, dtype=torch.long))
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,8 +99,8 @@ def test_unpad_input_like_flash_attn_rejects_inputs_without_a_feature_dim():
 def test_pad_input_inverts_unpad_and_zeroes_padding(data):
     hidden, mask, _ = data
     batch, seqlen = mask.shape
-    out, indices, *_ = cs.unpad_input(hidden, mask)
-    padded = cs.pad_input(out, indices, batch, seqlen)
+    out, indices, *_ = cpu.unpad_input(hidden, mask)
+    padded = cpu.pad_input(out, indices, batch, seqlen)
     assert torch.equal(padded, ref_pad(out, indices.tolist(), batch, seqlen))
     expect = hidden * mask.reshape(batch, seqlen, *([1] * (hidden.ndim - 2)))
     assert torch.equal(padded, expect)
@@ -112,14 +113,14 @@ def test_index_first_axis_and_index_put_match_indexing_with_gradients(rows, tail
     indices = torch.tensor(idx)
     x = torch.randn(rows, *tail, dtype=torch.float64, requires_grad=True)
     w = torch.randn(len(idx), *tail, dtype=torch.float64)
-    ours = cs.index_first_axis(x, indices)
+    ours = cpu.index_first_axis(x, indices)
     assert torch.equal(ours, x[indices])
     (g,) = torch.autograd.grad((ours * w).sum(), x)
     (g_ref,) = torch.autograd.grad((x[indices] * w).sum(), x)
     assert torch.equal(g, g_ref)
 
     v = torch.randn(len(idx), *tail, dtype=torch.float64, requires_grad=True)
-    put = cs.index_put_first_axis(v, indices, rows)
+    put = cpu.index_put_first_axis(v, indices, rows)
     ref = torch.zeros(rows, *tail, dtype=torch.float64).index_copy(0, indices, v)
     assert torch.equal(put, ref)
     w2 = torch.randn(rows, *tail, dtype=torch.float64)
@@ -131,7 +132,7 @@ def test_index_first_axis_and_index_put_match_indexing_with_gradients(rows, tail
 def test_index_first_axis_residual_returns_the_input_and_adds_both_gradients():
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     indices = torch.tensor([4, 0, 2])
-    out, residual = cs.index_first_axis_residual(x, indices)
+    out, residual = cpu.index_first_axis_residual(x, indices)
     assert torch.equal(out, x[indices]) and torch.equal(residual, x.detach())
     w1, w2 = torch.randn(3, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     (g,) = torch.autograd.grad((out * w1).sum() + (residual * w2).sum(), x)
@@ -155,7 +156,7 @@ def test_unpad_for_concatenated_sequences_matches_a_reference(batch, seqlen, dat
     for b, row in enumerate(lengths):
         mask_in_length[b, : len(row)] = torch.tensor(row, dtype=torch.int32)
     hidden = torch.randn(batch, seqlen, 2, dtype=torch.float64)
-    out, indices, cu, maxlen = cs.unpad_input_for_concatenated_sequences(hidden, mask_in_length)
+    out, indices, cu, maxlen = cpu.unpad_input_for_concatenated_sequences(hidden, mask_in_length)
     ref_idx = [b * seqlen + s for b, row in enumerate(lengths) for s in range(sum(row))]
     ref_cu = [0]
     for row in lengths:
@@ -208,15 +209,15 @@ def test_cpu_worker_extension_receives_weights_over_gloo_and_reloads_them_at_the
     after_first = []
 
     def trainer():
-        group = cs._stateless_init_process_group_gloo("127.0.0.1", port, 0, 2, device=torch.device("cpu"))
+        group = weight_sync._stateless_init_process_group_gloo("127.0.0.1", port, 0, 2, device=torch.device("cpu"))
         for p in params.values():
             group.broadcast(p, src=0, stream=None)
 
     def engine():
-        worker._model_update_group = cs.GlooBroadcastGroup("127.0.0.1", port, 1, 2)
-        cs.CpuWorkerWrap.update_weight(worker, "q", torch.bfloat16, params["q"].shape, empty_cache=False)
+        worker._model_update_group = cpu.GlooBroadcastGroup("127.0.0.1", port, 1, 2)
+        cpu.CpuWorkerWrap.update_weight(worker, "q", torch.bfloat16, params["q"].shape, empty_cache=False)
         after_first.append(len(worker.reloads))
-        cs.CpuWorkerWrap.update_weight(worker, "k", torch.bfloat16, params["k"].shape, empty_cache=True)
+        cpu.CpuWorkerWrap.update_weight(worker, "k", torch.bfloat16, params["k"].shape, empty_cache=True)
 
     _run_ranks([trainer, engine])
     assert after_first == [0] and len(worker.reloads) == 1
@@ -226,15 +227,15 @@ def test_cpu_worker_extension_receives_weights_over_gloo_and_reloads_them_at_the
         assert torch.equal(tensor, params[name]) and tensor.device.type == "cpu"
     assert worker._war_pending_weights == []
     with pytest.raises(ValueError, match=r"update_weight: 'w' arrives as torch.float32 .* --ds.param_dtype"):
-        cs.CpuWorkerWrap.update_weight(worker, "w", torch.float32, (2,))
+        cpu.CpuWorkerWrap.update_weight(worker, "w", torch.float32, (2,))
     with pytest.raises(RuntimeError, match="update_weight_cuda_ipc: CUDA IPC handles need CUDA"):
-        cs.CpuWorkerWrap.update_weight_cuda_ipc(worker, "w", torch.bfloat16, (2,))
+        cpu.CpuWorkerWrap.update_weight_cuda_ipc(worker, "w", torch.bfloat16, (2,))
     with pytest.raises(ValueError, match="GlooBroadcastGroup.rank: 3 is outside world_size=2"):
-        cs.GlooBroadcastGroup("127.0.0.1", port, 3, 2)
+        cpu.GlooBroadcastGroup("127.0.0.1", port, 3, 2)
 
 
 def test_torch_stand_in_maps_cuda_to_cpu_and_keeps_everything_else():
-    t = cs._TORCH_ON_CPU
+    t = torch_on_cpu._TORCH_ON_CPU
     assert t.device(f"cuda:{t.cuda.current_device()}") == torch.device("cpu")
     assert t.device("cuda") == torch.device("cpu") and t.device(0) == torch.device("cpu")
     assert t.device("cpu") == torch.device("cpu") and t.device("meta").type == "meta"
@@ -260,30 +261,30 @@ def test_rollout_actor_init_swaps_in_the_cpu_worker_extension_only_without_cuda(
         seen.clear()
         seen.update(kwargs)
 
-    init = cs._rollout_actor_init(openrlhf_init)
-    asyncio.run(init(object(), model="m", worker_extension_cls=cs.OPENRLHF_WORKER_EXTENSION, seed=3))
-    assert seen == {"model": "m", "worker_extension_cls": cs.CPU_WORKER_EXTENSION, "seed": 3}
+    init = openrlhf_patches._rollout_actor_init(openrlhf_init)
+    asyncio.run(init(object(), model="m", worker_extension_cls=cpu.OPENRLHF_WORKER_WRAP, seed=3))
+    assert seen == {"model": "m", "worker_extension_cls": cpu.CPU_WORKER_EXTENSION, "seed": 3}
     asyncio.run(init(object(), worker_extension_cls="my.Ext"))
     assert seen == {"worker_extension_cls": "my.Ext"}  # someone else's extension is left alone
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    asyncio.run(init(object(), worker_extension_cls=cs.OPENRLHF_WORKER_EXTENSION))
-    assert seen == {"worker_extension_cls": cs.OPENRLHF_WORKER_EXTENSION}
+    asyncio.run(init(object(), worker_extension_cls=cpu.OPENRLHF_WORKER_WRAP))
+    assert seen == {"worker_extension_cls": cpu.OPENRLHF_WORKER_WRAP}
 
 
 # ---------------------------------------------------------------------- Ray arguments
 def test_ray_init_kwargs_declare_logical_gpus_and_the_setup_hook(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    kw = cs.ray_init_kwargs(num_gpus=3, runtime_env={"env_vars": {"A": "1"}})
+    kw = cpu.ray_init_kwargs(num_gpus=3, runtime_env={"env_vars": {"A": "1"}})
     assert kw == {"num_gpus": 3, "runtime_env": {"env_vars": {"A": "1"},
-                                                  "worker_process_setup_hook": cs.SETUP_HOOK}}
-    assert cs.ray_init_kwargs()["num_gpus"] == (os.cpu_count() or 1)
+                                                  "worker_process_setup_hook": cpu.SETUP_HOOK}}
+    assert cpu.ray_init_kwargs()["num_gpus"] == (os.cpu_count() or 1)
     with pytest.raises(ValueError, match=r"ray_init_kwargs.num_gpus: must be an int >= 1"):
-        cs.ray_init_kwargs(num_gpus=0)
+        cpu.ray_init_kwargs(num_gpus=0)
     with pytest.raises(ValueError, match=r"worker_process_setup_hook is already 'x.y'"):
-        cs.ray_init_kwargs(runtime_env={"worker_process_setup_hook": "x.y"})
+        cpu.ray_init_kwargs(runtime_env={"worker_process_setup_hook": "x.y"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cs.ray_init_kwargs() == {}
-    assert cs.ray_init_kwargs(runtime_env={"env_vars": {"A": "1"}}) == {"runtime_env": {"env_vars": {"A": "1"}}}
+    assert cpu.ray_init_kwargs() == {}
+    assert cpu.ray_init_kwargs(runtime_env={"env_vars": {"A": "1"}}) == {"runtime_env": {"env_vars": {"A": "1"}}}
 
 
 # ---------------------------------------------------------------------- apply (subprocesses)
@@ -316,12 +317,12 @@ PPO_MODULES = [
 
 
 def test_openrlhf_ppo_modules_import_and_run_their_cuda_paths_on_cpu_after_apply():
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(MODEL_DIR)
     code = f"""
 import importlib, json, sys, torch
-from war_openrlhf.cpu_support import apply_cpu_support, applied_patches, CPU_WORKER_EXTENSION
+from war_openrlhf.cpu import apply_cpu_support, applied_patches, CPU_WORKER_EXTENSION
 applied = apply_cpu_support()
 mods = {PPO_MODULES!r}
 for m in mods:
@@ -365,10 +366,10 @@ print("RESULT " + json.dumps(dict(
     assert out["target_device"] == "cpu" and out["mesh_device"] == "cpu"
     assert out["attn"] == "sdpa"
     assert out["barrier_rebound"] and out["sync_group"] == "_stateless_init_process_group_gloo"
-    assert out["shim"] == "war_openrlhf.cpu_support" and out["fa2_available"] is False
+    assert out["shim"] == "war_openrlhf.cpu.flash_attn_shim" and out["fa2_available"] is False
     assert out["torch_cuda_untouched"] == "torch.cuda"  # the real torch.cuda is never patched
     # the class Ray ships to the engine actor carries the patched __init__ around OpenRLHF's
-    assert out["rollout_init"] == ["war_openrlhf.cpu_support", "openrlhf.trainer.ray.vllm_engine"]
+    assert out["rollout_init"] == ["war_openrlhf.cpu.openrlhf_patches", "openrlhf.trainer.ray.vllm_engine"]
     targets = {p.split(":")[0] for p in out["patches"]}
     assert {"flash_attn", "openrlhf.trainer.ppo_utils.replay_buffer", "openrlhf.trainer.ray.ppo_actor",
             "openrlhf.utils.deepspeed.deepspeed", "openrlhf.trainer.ray.launcher", "openrlhf.trainer.ray.ppo_critic",
@@ -381,7 +382,8 @@ def test_apply_is_idempotent_and_patches_modules_imported_before_it():
 import json, sys
 import openrlhf.utils.distributed_util as du          # imported before apply: patched at once
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync as early
-from war_openrlhf import cpu_support as cs
+from war_openrlhf import cpu as cs
+from war_openrlhf.cpu.torch_on_cpu import _TORCH_ON_CPU
 first = cs.apply_cpu_support()
 second = cs.apply_cpu_support()
 import openrlhf.trainer.ppo_utils.replay_buffer       # imported after: patched on import
@@ -390,7 +392,7 @@ finders = [f for f in sys.meta_path if type(f).__name__ == "_PostImportPatcher"]
 print("RESULT " + json.dumps(dict(
     calls=[first, second, third], patches=cs.applied_patches(), finders=len(finders),
     patched_now=du.torch_dist_barrier_and_cuda_sync.__name__,
-    replay=sys.modules["openrlhf.trainer.ppo_utils.replay_buffer"].torch is cs._TORCH_ON_CPU,
+    replay=sys.modules["openrlhf.trainer.ppo_utils.replay_buffer"].torch is _TORCH_ON_CPU,
 )))
 """
     out = _run_python(code)
@@ -405,7 +407,7 @@ def test_apply_is_a_no_op_when_cuda_is_available():
     code = """
 import json, sys, torch
 torch.cuda.is_available = lambda: True
-from war_openrlhf import cpu_support as cs
+from war_openrlhf import cpu as cs
 result = cs.apply_cpu_support()
 import openrlhf.trainer.ppo_utils.replay_buffer as rb
 import openrlhf.utils.distributed_util as du
@@ -429,16 +431,16 @@ def test_ray_workers_get_the_patches_and_gpu_bundles_schedule_on_cpu():
     code = """
 import json, sys, ray
 from ray.util.placement_group import placement_group
-from war_openrlhf.cpu_support import apply_cpu_support, ray_init_kwargs
+from war_openrlhf.cpu import apply_cpu_support, ray_init_kwargs
 apply_cpu_support()
 ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, **ray_init_kwargs(num_gpus=3))
 @ray.remote(num_gpus=1)
 class Probe:
     def state(self):
         import openrlhf.trainer.ppo_utils.replay_buffer as rb
-        from war_openrlhf import cpu_support as cs
-        return dict(applied=cs._STATE["applied"], flash_attn="flash_attn" in sys.modules,
-                    replay=rb.torch is cs._TORCH_ON_CPU, gpus=len(ray.get_gpu_ids()))
+        from war_openrlhf.cpu import openrlhf_patches, torch_on_cpu
+        return dict(applied=openrlhf_patches._STATE["applied"], flash_attn="flash_attn" in sys.modules,
+                    replay=rb.torch is torch_on_cpu._TORCH_ON_CPU, gpus=len(ray.get_gpu_ids()))
 pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
 ready = ray.get(pg.ready(), timeout=60) is not None
 a = Probe.remote()
@@ -485,7 +487,7 @@ def test_openrlhfs_ray_ppo_trainer_runs_two_steps_on_cpu(tmp_path):
     ray.init(**ray_init_kwargs()): a policy actor (DeepSpeed ZeRO-1 on gloo), one vLLM
     engine from create_vllm_engines, a 2-turn agent, 2 training steps, weight sync to
     the engine after each (over gloo, reloaded in place), and the trained model saved."""
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(MODEL_DIR)
     (tmp_path / "agent_func.py").write_text(TRAIN_AGENT)
@@ -508,7 +510,7 @@ def test_openrlhfs_ray_ppo_trainer_runs_two_steps_on_cpu(tmp_path):
     ]
     code = f"""
 import json, runpy, sys, time, ray
-from war_openrlhf.cpu_support import apply_cpu_support, applied_patches, ray_init_kwargs
+from war_openrlhf.cpu import apply_cpu_support, applied_patches, ray_init_kwargs
 apply_cpu_support()
 ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
          **ray_init_kwargs(num_gpus=4, runtime_env={{"env_vars": {{"VLLM_CPU_KVCACHE_SPACE": "1"}}}}))
@@ -548,5 +550,5 @@ def test_every_openrlhf_module_calling_torch_cuda_is_patched_or_accounted_for():
         text = path.read_text()
         if re.search(r"torch\.cuda\.|init_device_mesh\(\s*\"cuda\"|device=\"cuda\"", text):
             callers.add(".".join(path.relative_to(root.parent).with_suffix("").parts))
-    missing = sorted(callers - set(cs._MODULE_PATCHES) - accounted)
+    missing = sorted(callers - set(openrlhf_patches._MODULE_PATCHES) - accounted)
     assert not missing, f"OpenRLHF modules calling CUDA without a CPU patch: {missing}"

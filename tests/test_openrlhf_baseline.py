@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from war_openrlhf.baselines import run_openrlhf_rollout, start_openrlhf_engines, stop_openrlhf_engines  # noqa: E402
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
 FEEDBACK = '\n<tool_response>\n{"result": 42, "status": "ok"}\n</tool_response>\n'

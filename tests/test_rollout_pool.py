@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.rollout import (RolloutConfig, RolloutPool, check_step_result, load_agent_class,  # noqa: E402
                                   to_experiences)
 
@@ -179,7 +179,7 @@ def test_batch_of_episodes_end_to_end(pool):
     assert sum(res.engine_turns) == 18 and all(n > 0 for n in res.engine_turns)
     assert res.generated_tokens == sum(sum(t.action_mask) for t in res.trajectories)
     # every finished turn reached every engine's replica of the global index
-    applied = [s["war"]["index"]["applied_seq"] for s in asyncio.run(pool.engine_stats())]
+    applied = [s.index_applied_seq for s in asyncio.run(pool.engine_stats())]
     assert applied == [pool.log.last_seq] * 2 and pool.log.last_seq >= 18
     # OpenRLHF's own conversion accepts them
     exps = to_experiences(res.trajectories, max_len=1024)
@@ -209,7 +209,7 @@ def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
     sib = _sibling(pool)
     observe = sib.run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
     # a second pool on the same engines restarted their replicas and fed them its own log
-    applied = [s["war"]["index"]["applied_seq"] for s in asyncio.run(sib.engine_stats())]
+    applied = [s.index_applied_seq for s in asyncio.run(sib.engine_stats())]
     assert applied == [sib.log.last_seq] * 2 and sib.log.last_seq == observe.turns
     by = {t.label: [] for t in observe.trajectories}
     for t in observe.trajectories:
@@ -291,6 +291,8 @@ def test_engine_killed_mid_batch_loses_no_trajectory(pool):
         return await task
 
     res = asyncio.run(scenario())
+    # the sibling pools of earlier tests took the engines' replicas: this pool re-attached them
+    assert all(e.sync_errors == 0 for e in pool.engines), [e.last_sync_error for e in pool.engines]
     assert len(res.trajectories) == 12
     assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
     assert not victim.healthy and res.redispatched_turns >= 1

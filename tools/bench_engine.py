@@ -67,7 +67,9 @@ def prompt_sets(prompts, batches, repeats):
 def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, engine_args):
     from vllm import LLM, SamplingParams
 
-    from war_openrlhf.engine.suffix_hook import entries_to_wire, war_engine_kwargs
+    from war_openrlhf.engine.rpc import (RPC_APPLY_LOG, RPC_INDEX_STATS, RPC_INSTALL_INDEX,
+                                         RPC_SEED_VLLM_SUFFIX_CACHE, war_engine_kwargs)
+    from war_openrlhf.engine.wire import entries_to_wire
     from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, SuffixIndexConfig
 
     kwargs = dict(engine_args)
@@ -86,21 +88,21 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
 
             items = [{"prompt": np.asarray(p, dtype="<i4").tobytes(), "response": np.asarray(e, dtype="<i4").tobytes()}
                      for p, e in zip(prompts, earlier)]
-            llm.collective_rpc("war_seed_vllm_suffix_cache", args=(items,))
+            llm.collective_rpc(RPC_SEED_VLLM_SUFFIX_CACHE, args=(items,))
         if name.startswith("war"):
             mode = {"war_on": "on", "war_off": "off"}.get(name, "auto")
-            llm.collective_rpc("war_install_index", args=({}, {}, mode))
+            llm.collective_rpc(RPC_INSTALL_INDEX, args=({}, {}, mode))
             log = CompletedSequenceLog()
             for i, (p, e) in enumerate(zip(prompts, earlier)):
                 log.append(CompletedSequence.create(f"earlier{i}", "g", 0, p, e))
-            llm.collective_rpc("war_apply_log", args=(entries_to_wire(log.read(0)),))
+            llm.collective_rpc(RPC_APPLY_LOG, args=(entries_to_wire(log.read(0)),))
         llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], sp, use_tqdm=False)  # warm-up
         sets = prompt_sets(prompts, batches, repeats)
         rows = []
         for b in batches:
             best = None
             before = _spec(llm)
-            sw0 = llm.collective_rpc("war_index_stats", args=(False,))[0]["switch"] if name.startswith("war") else None
+            sw0 = llm.collective_rpc(RPC_INDEX_STATS, args=(False,))[0]["switch"] if name.startswith("war") else None
             for r in range(repeats):
                 batch = [{"prompt_token_ids": prompts[i]} for i in sets[(b, r)]]
                 llm.reset_prefix_cache()
@@ -114,7 +116,7 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                    "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
                    "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
             if name.startswith("war"):
-                st = llm.collective_rpc("war_index_stats", args=(True,))[0]
+                st = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0]
                 sw1 = st["switch"]
                 steps = sw1["steps"] - sw0["steps"]
                 spec = sw1["spec_step_fraction"] * sw1["steps"] - sw0["spec_step_fraction"] * sw0["steps"]
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     batches = [int(b) for b in args.batches.split(",")]
     model = build_tiny_model(args.model) if not (args.model / "config.json").exists() else args.model

@@ -51,7 +51,7 @@ def bench_insertion(records, config, repeats):
         t0 = time.perf_counter()
         replica.sync(log)
         dt = time.perf_counter() - t0
-        rates.append(replica.cached_tokens / dt)
+        rates.append(replica.indexed_tokens / dt)
     return replica, float(np.median(rates))
 
 
@@ -110,7 +110,7 @@ def bench_replication(base_records, make_traj_records, config, replicas, repeats
             times.append(time.perf_counter() - t1)
         serial.append(time.perf_counter() - t0)
         per_replica.append(max(times))
-        tokens = reps[0].cached_tokens - sum(
+        tokens = reps[0].indexed_tokens - sum(
             int(x.response_token_ids.size) + min(config.prompt_lead_in, int(x.prompt_token_ids.size)) for x in base_records
         )
     return 1e3 * float(np.median(serial)), 1e3 * float(np.median(per_replica)), tokens
@@ -135,15 +135,15 @@ def main(argv=None) -> int:
     replica, rate = bench_insertion(records, config, args.repeats)
     results["insertion_tokens_per_s"] = rate
     rows.append({"metric": "insertion", "value": rate / 1e6, "unit": "M tokens/s",
-                 "note": f"{len(records)} turn records, {replica.cached_tokens} tokens"})
+                 "note": f"{len(records)} turn records, {replica.indexed_tokens} tokens"})
 
     p50, p99, hit = bench_speculate(replica, trajs, args.k, args.calls, args.seed)
     results.update(speculate_p50_us=p50, speculate_p99_us=p99, speculate_draft_rate=hit)
     rows.append({"metric": "speculate p50", "value": p50, "unit": "us", "note": f"K={args.k}, {args.calls} calls"})
     rows.append({"metric": "speculate p99", "value": p99, "unit": "us", "note": f"{hit:.0%} of calls drafted"})
 
-    bpt = replica.bytes_per_cached_token()
-    results["bytes_per_cached_token"] = bpt
+    bpt = replica.bytes_per_indexed_token()
+    results["bytes_per_indexed_token"] = bpt
     rows.append({"metric": "memory", "value": bpt, "unit": "B/token", "note": f"{replica.memory_bytes() / 2**20:.1f} MiB"})
 
     rng = np.random.default_rng(args.seed)

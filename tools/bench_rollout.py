@@ -70,7 +70,7 @@ def load_task(name: str):
 
 def resolve_model(arg: str) -> Path:
     if arg == "random":
-        from war_openrlhf.engine.tiny_model import build_tiny_model
+        from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
         return build_tiny_model(ROOT / ".cache" / "war_tiny_llama")
     p = Path(arg)
@@ -80,9 +80,9 @@ def resolve_model(arg: str) -> Path:
 
 
 def _engine_totals(stats):
-    keys = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "generation_tokens", "steps",
-            "prefix_cache_queries", "prefix_cache_hits")
-    return {k: sum(int(s.get(k, 0) or 0) for s in stats) for k in keys}
+    from war_openrlhf.engine.stats import COUNTERS
+
+    return {k: sum(getattr(s, k) for s in stats) for k in COUNTERS}
 
 
 def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls):
@@ -98,12 +98,12 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         kw["dispatch_kwargs"] = {"n_samples_per_prompt": n}
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
-    before = _engine_totals(ray.get([h.stats.remote() for h in handles]))
+    before = _engine_totals(asyncio.run(pool.engine_stats()))
     res = pool.run_batch(prompts, labels)
     after = _engine_totals(res.engine_stats)
     d = {k: after[k] - before[k] for k in after}
     drafts = d["spec_drafts"]
-    spec = [s.get("war", {}).get("switch", {}).get("spec_step_fraction") for s in res.engine_stats]
+    spec = [s.spec_step_fraction for s in res.engine_stats]
     return {
         "wall_s": res.wall_s, "generated_tokens": res.generated_tokens, "tokens_per_s": res.tokens_per_s,
         "trajectories": len(res.trajectories), "turns": res.turns,
@@ -156,9 +156,9 @@ def main(argv=None):
     import ray
     from transformers import AutoTokenizer
 
+    from war_openrlhf.device import cuda_available
     from war_openrlhf.engine.actors import create_war_engines
     from war_openrlhf.engine.config import EngineConfig
-    from war_openrlhf.engine.engine import cuda_available
     from war_openrlhf.rollout import load_agent_class
 
     dataset, agent_file = load_task(args.task)

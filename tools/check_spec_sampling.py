@@ -48,7 +48,7 @@ async def _run(args) -> dict:
     from war_openrlhf.checks.sampling_equivalence import fill_index_with_own_samples, run_check
     from war_openrlhf.engine.config import EngineConfig
     from war_openrlhf.engine.engine import WarEngine
-    from war_openrlhf.engine.tiny_model import build_tiny_model
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
     from war_openrlhf.speculation import SuffixIndexConfig
 
     model_path = Path(args.model) if args.model else build_tiny_model(

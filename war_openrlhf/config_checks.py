@@ -3,6 +3,7 @@ mappings (YAML) that names an unknown key or a wrong type together with its sour
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -16,6 +17,40 @@ def check_int(owner: str, name: str, value: Any, minimum: int, *, nullable: bool
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         none = "None or " if nullable else ""
         raise ValueError(f"{owner}.{name}: must be {none}an int >= {minimum}, got {value!r}")
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> None:
+    """``value`` must be a finite int or float (bools, NaN and inf are refused) within the
+    given bounds: ``gt``/``ge`` below (exclusive/inclusive), ``lt``/``le`` above."""
+    lower = ("(", ">", gt) if gt is not None else ("[", ">=", ge) if ge is not None else None
+    upper = (")", "<", lt) if lt is not None else ("]", "<=", le) if le is not None else None
+    if lower and upper:
+        bounds = f" in {lower[0]}{lower[2]}, {upper[2]}{upper[0]}"  # e.g. " in (0, 1]"
+    elif lower or upper:
+        _, op, bound = lower or upper
+        bounds = f" {op} {bound}"  # e.g. " > 0"
+    else:
+        bounds = ""
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (gt is None or value > gt)
+        and (ge is None or value >= ge)
+        and (lt is None or value < lt)
+        and (le is None or value <= le)
+    )
+    if not ok:
+        raise ValueError(f"{owner}.{name}: must be a finite number{bounds}, got {value!r}")
 
 
 def _type_ok(value: Any, default: Any) -> bool:
@@ -48,6 +83,7 @@ def dataclass_from_dict(
         raise ValueError(f"{source}: expected a mapping of options, got {type(data).__name__}")
     nested = nested or {}
     known = {f.name for f in fields(cls)}
+    optional = {f.name for f in fields(cls) if "None" in str(f.type)}  # annotated "X | None"
     defaults = cls()
     values = dict(data)
     for key, value in values.items():
@@ -55,6 +91,8 @@ def dataclass_from_dict(
             raise ValueError(f"{source}: unknown key '{key}' (known: {', '.join(sorted(known))})")
         if key in nested:
             values[key] = nested[key](value if value is not None else {}, f"{source}: {key}")
+        elif value is None and key in optional:
+            continue
         elif not _type_ok(value, getattr(defaults, key)):
             raise ValueError(f"{source}: key '{key}' must be {_type_name(getattr(defaults, key))}, got {value!r}")
     try:

@@ -14,9 +14,9 @@ import operator
 import sys
 from pathlib import Path
 
-_COMMON = str(Path(__file__).resolve().parents[1] / "common")
-if _COMMON not in sys.path:
-    sys.path.insert(0, _COMMON)
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
 from tool_protocol import Param, Tool, ToolCallError  # noqa: E402
 

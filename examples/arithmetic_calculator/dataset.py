@@ -12,19 +12,18 @@ writes JSONL rows ``{"prompt": ..., "label": "<integer answer>"}``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
 _HERE = Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent / "common")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
 from calculator_tool import TOOLS  # noqa: E402
+from jsonl import write_jsonl  # noqa: E402
 from tool_protocol import render_instructions  # noqa: E402
 
 NAMES = ["Maya", "Leo", "Priya", "Tomas", "Aiko", "Omar", "Lena", "Kofi", "Sofia", "Ravi", "Elena", "Jonas"]
@@ -216,10 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = generate(args.n, args.seed)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(out, rows)
     print(f"wrote {len(rows)} problems to {out}")
 
 

@@ -11,17 +11,16 @@ memory by the agent, so no corpus file has to travel with the data;
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
 _HERE = Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent / "common")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
+from jsonl import write_jsonl  # noqa: E402
 from kb_corpus import CORPUS_SEED, build_corpus  # noqa: E402
 from kb_search import knowledge_base  # noqa: E402
 from tool_protocol import render_instructions  # noqa: E402
@@ -83,16 +82,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = generate(args.n, args.seed)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(out, rows)
     print(f"wrote {len(rows)} questions to {out}")
     if args.dump_corpus:
-        with open(args.dump_corpus, "w", encoding="utf-8") as f:
-            for a in build_corpus():
-                f.write(json.dumps({"doc_id": a.doc_id, "title": a.title, "text": a.text}, ensure_ascii=False) + "\n")
-        print(f"wrote {len(build_corpus())} articles to {args.dump_corpus}")
+        articles = [{"doc_id": a.doc_id, "title": a.title, "text": a.text} for a in build_corpus()]
+        write_jsonl(args.dump_corpus, articles)
+        print(f"wrote {len(articles)} articles to {args.dump_corpus}")
 
 
 if __name__ == "__main__":

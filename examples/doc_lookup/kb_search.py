@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
 _HERE = Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent / "common")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
 from kb_corpus import CORPUS_SEED, Article, build_corpus  # noqa: E402
 from tool_protocol import Param, Tool, ToolCallError  # noqa: E402

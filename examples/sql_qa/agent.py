@@ -23,11 +23,9 @@ from pathlib import Path
 
 from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
-# OpenRLHF loads this file by path, so its neighbours are put on sys.path explicitly.
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
 _HERE = Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent / "common")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
 from sql_tool import make_tools  # noqa: E402
 from tool_protocol import step_result, EpisodeStats, handle_action, normalize_text, numbers_equal, parse_number  # noqa: E402

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+# Loaded by path (OpenRLHF): put examples/common and this folder on sys.path (examples/README.md).
 _HERE = Path(__file__).resolve().parent
-for _path in (str(_HERE), str(_HERE.parent / "common")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not in sys.path]
 
+from jsonl import write_jsonl  # noqa: E402
 from shop_db import SCHEMA, YEARS, build_database  # noqa: E402
 from sql_tool import MAX_ROWS, make_tools  # noqa: E402
 from tool_protocol import render_instructions  # noqa: E402
@@ -275,10 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     db_path = Path(args.db) if args.db else out.resolve().parent / f"shop_db{args.db_seed}.sqlite"
     rows = generate(args.n, args.seed, db_path=db_path, db_seed=args.db_seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_jsonl(out, rows)
     print(f"wrote {len(rows)} questions to {out} (database: {db_path.resolve()})")
 
 

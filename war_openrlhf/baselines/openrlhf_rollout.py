@@ -29,30 +29,12 @@ import time
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
+from ..cpu import OPENRLHF_WORKER_WRAP
+from ..device import cuda_available
 from ..engine.config import EngineConfig, check_startup
-from ..engine.engine import cuda_available
+from ..engine.launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options
 
 __all__ = ["start_openrlhf_engines", "run_openrlhf_rollout", "stop_openrlhf_engines"]
-
-#: ``create_vllm_engines``' worker extension (weight sync from the trainer).
-OPENRLHF_WORKER_EXTENSION = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
-
-
-def _check_cores(num_engines: int, cpu_cores: Sequence[int] | None) -> list[int]:
-    cores = os.cpu_count() or 1
-    if cpu_cores is None:
-        if num_engines > cores:
-            raise ValueError(
-                f"num_engines: {num_engines} CPU engines need {num_engines} cores, this machine has {cores}; "
-                "run fewer engines"
-            )
-        return list(range(num_engines))
-    cpu_cores = list(cpu_cores)
-    if len(cpu_cores) != num_engines:
-        raise ValueError(f"cpu_cores: {len(cpu_cores)} cores given for {num_engines} engines; give one core per engine")
-    if len(set(cpu_cores)) != len(cpu_cores):
-        raise ValueError(f"cpu_cores: {cpu_cores} repeats a core; give each engine its own core")
-    return cpu_cores
 
 
 def start_openrlhf_engines(
@@ -89,7 +71,7 @@ def start_openrlhf_engines(
     - no placement group and ``num_gpus=0, num_cpus=1`` per actor instead of
       ``{"GPU": 1, "CPU": 1}`` bundles: there are no GPUs to reserve;
     - ``dtype="float32"`` instead of ``"bfloat16"``: the tiny test model is float32 and
-      its greedy/logprob checks need it (see ``engine.tiny_model``);
+      its greedy/logprob checks need it (see ``fixtures.tiny_model``);
     - ``enforce_eager`` as above (there are no CUDA graphs to capture on CPU);
     - no ``gpu_memory_utilization`` (meaningless on CPU); KV space comes from
       ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_space_gib``, default: the environment's
@@ -104,8 +86,7 @@ def start_openrlhf_engines(
     """
     import ray
 
-    if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
-        raise ValueError(f"num_engines: must be an int >= 1, got {num_engines!r}")
+    check_num_engines(num_engines)
     model_dir = str(model_dir)
     if agent_func_path is not None:
         agent_func_path = str(agent_func_path)
@@ -119,7 +100,7 @@ def start_openrlhf_engines(
         enforce_eager = not cuda
     kv_gib = float(kv_cache_space_gib if kv_cache_space_gib is not None
                    else os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    cores = None if cuda else _check_cores(num_engines, cpu_cores)
+    cores = None if cuda else cpu_engine_cores(num_engines, cpu_cores)
     # The same start-up checks as the project's own engines (model dir, KV space, cores).
     for i in range(num_engines):
         check_startup(EngineConfig(model=model_dir, dtype="bfloat16" if cuda else "float32",
@@ -143,7 +124,7 @@ def start_openrlhf_engines(
             actor_kwargs = {
                 "model": model_dir,
                 "enforce_eager": bool(enforce_eager),
-                "worker_extension_cls": OPENRLHF_WORKER_EXTENSION,
+                "worker_extension_cls": OPENRLHF_WORKER_WRAP,
                 "tensor_parallel_size": 1,
                 "seed": seed + i,
                 "distributed_executor_backend": "uni",
@@ -162,15 +143,10 @@ def start_openrlhf_engines(
             if logprobs_mode:
                 actor_kwargs["logprobs_mode"] = logprobs_mode
                 actor_kwargs["max_logprobs"] = 1
-            env_vars = {
-                "VLLM_CPU_OMP_THREADS_BIND": str(cores[i]),
-                "VLLM_CPU_KVCACHE_SPACE": str(max(1, int(round(kv_gib)))),
-            }
-            engines.append(
-                RolloutRayActor.options(num_cpus=1, num_gpus=0, runtime_env={"env_vars": env_vars}).remote(
-                    **actor_kwargs
-                )
-            )
+            env_vars = cpu_engine_env(cores[i], kv_gib)
+            engines.append(RolloutRayActor.options(**engine_actor_options(cuda=False, env_vars=env_vars)).remote(
+                **actor_kwargs
+            ))
     try:  # the async __init__ has run (the engine is up) once an actor answers
         ray.get([e.get_num_unfinished_requests.remote() for e in engines])
     except Exception as exc:

@@ -2,7 +2,7 @@
 
     python -m war_openrlhf.cli.cpu_demo [--config configs/cpu_demo.yaml] [--out runs/cpu_demo]
 
-1. builds the tiny Llama + BPE tokenizer of :mod:`war_openrlhf.engine.tiny_model` locally
+1. builds the tiny Llama + BPE tokenizer of :mod:`war_openrlhf.fixtures.tiny_model` locally
    (cached under ``.cache/``) when the config names a directory that does not exist yet
    (a real model directory is used as it is);
 2. writes the arithmetic word-problem dataset (``examples/arithmetic_calculator``);
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = model_dir if model_dir.is_absolute() else ROOT / model_dir
     print(f"[1/4] model: {model_dir}", flush=True)
     if not (model_dir / "config.json").is_file() or (model_dir / "war_tiny_model.json").is_file():
-        from ..engine.tiny_model import build_tiny_model
+        from ..fixtures.tiny_model import build_tiny_model
 
         build_tiny_model(model_dir)
 

@@ -12,23 +12,24 @@ Every ``train_ppo_ray`` argument means what it means there (``--actor.model_name
 argument, ``true`` for a flag) and a ``war:`` section. An unknown key or a wrong type names the
 key and the file.
 
-What it changes in OpenRLHF, and nothing else: ``create_vllm_engines`` builds WAR engine actors
-(:func:`~war_openrlhf.training.create_war_engines_for_openrlhf`), and the trainer class is
-OpenRLHF's own ``PPOTrainer`` / ``PPOTrainerAsync`` with the WAR pool as its samples generator
-(:mod:`war_openrlhf.training.trainer`). On a machine without CUDA, the one CPU module
-(:mod:`war_openrlhf.cpu_support`) is applied in this process and in every Ray worker; on a GPU
-machine it is never imported.
+What it changes in OpenRLHF, and nothing else, is in one module,
+:mod:`war_openrlhf.integrations.openrlhf`: ``create_vllm_engines`` builds WAR engine actors and
+the trainer class is OpenRLHF's own ``PPOTrainer`` / ``PPOTrainerAsync`` with the WAR pool as
+its samples generator. The WAR settings go to the trainer as a validated
+:class:`~war_openrlhf.rollout.RolloutConfig` object. Settings that OpenRLHF's arguments define
+(model, lengths, seed, engine count, agent file, samples per prompt, temperature, top-p) are
+refused in the WAR settings. On a machine without CUDA, the CPU support
+(:mod:`war_openrlhf.cpu`) is applied in this process and in every Ray worker.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import runpy
 import sys
 from pathlib import Path
 from typing import Any
 
+from ..integrations.openrlhf import refuse_openrlhf_owned
 from ..rollout import RolloutConfig
 
 
@@ -74,7 +75,8 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
     """Split ``argv`` into the WAR settings (a dict) and train_ppo_ray's arguments."""
     import yaml
 
-    war: dict = {}
+    war: dict = {}  # --war.KEY options: they override every file, in any order
+    from_files: dict = {}
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -100,7 +102,8 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
             else:
                 section = data.get("war", data)
             RolloutConfig.from_dict(section, source=path)  # names a bad key with its file
-            war = {**war, **section}
+            refuse_openrlhf_owned(section, path)
+            from_files = _deep_merge(from_files, section)  # a later file overrides an earlier one
             continue
         if tok.startswith("--war."):
             key = tok[len("--war."):]
@@ -116,33 +119,46 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
             continue
         rest.append(tok)
         i += 1
+    refuse_openrlhf_owned(war, "--war options")
+    war = _deep_merge(from_files, war)
     RolloutConfig.from_dict(war, source="--war options")
     return war, rest
 
 
-def _ray_init(war: dict) -> None:
+def _deep_merge(low: dict, high: dict) -> dict:
+    """``high`` over ``low``, section by section (``--war.engine.x`` keeps the file's ``engine.y``)."""
+    out = dict(low)
+    for key, value in high.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def rollout_config(war: dict) -> RolloutConfig:
+    """The validated WAR settings handed to the trainer. Unset ``max_new_tokens_per_turn`` is
+    ``None`` here: only the context bounds a turn, as in OpenRLHF's own agent executor."""
+    return RolloutConfig.from_dict({"max_new_tokens_per_turn": None, **war}, source="WAR settings")
+
+
+def _ray_init() -> None:
     import ray
 
-    from ..engine.engine import cuda_available
-    from ..training.trainer import ENV_CONFIG
+    from ..device import cuda_available
 
     env = {
         "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
         "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
-        ENV_CONFIG: json.dumps(war),
     }
     for k in ("VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONPATH", "DS_BUILD_OPS",
               "TOOL_FEEDBACK_FORMAT", "SQL_QA_DB"):  # the example agents read the last two
         if k in os.environ:
             env[k] = os.environ[k]
-    os.environ[ENV_CONFIG] = env[ENV_CONFIG]
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if not cuda_available():
-        from .. import cpu_support
+        from .. import cpu
 
-        cpu_support.apply_cpu_support()
-        kwargs = cpu_support.ray_init_kwargs(runtime_env=kwargs["runtime_env"])
+        cpu.apply_cpu_support()
+        kwargs = cpu.ray_init_kwargs(runtime_env=kwargs["runtime_env"])
         # Logical CPUs: every OpenRLHF actor that asks for a (logical) GPU also holds a CPU,
         # and each engine holds one; engines are pinned to their own core regardless.
         kwargs["num_cpus"] = max(8, 2 * (os.cpu_count() or 1))
@@ -159,22 +175,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         war, openrlhf_args = parse_argv(argv)
+        config = rollout_config(war)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"war-train: {exc}") from None
-    _ray_init(war)
+    _ray_init()
 
-    import openrlhf.trainer.ppo_trainer as ppo_trainer
-    import openrlhf.trainer.ppo_trainer_async as ppo_trainer_async
-    import openrlhf.trainer.ray as openrlhf_ray
+    from ..integrations.openrlhf import run_train_ppo_ray
 
-    from ..training.trainer import create_war_engines_for_openrlhf, war_trainer_class
-
-    engine_cfg = RolloutConfig.from_dict({k: v for k, v in war.items() if k == "engine"}, source="--war options")
-    openrlhf_ray.create_vllm_engines = create_war_engines_for_openrlhf(engine_cfg)
-    ppo_trainer.PPOTrainer = war_trainer_class(async_enable=False)
-    ppo_trainer_async.PPOTrainerAsync = war_trainer_class(async_enable=True)
-    sys.argv = ["train_ppo_ray"] + openrlhf_args
-    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    run_train_ppo_ray(config, openrlhf_args)
 
 
 if __name__ == "__main__":

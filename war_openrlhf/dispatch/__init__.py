@@ -20,12 +20,12 @@ from .least_loaded import LeastLoadedPolicy
 from .round_robin import RoundRobinPolicy
 from .sglang_cache_aware import SGLangCacheAwarePolicy
 from .sticky import StickyPolicy
-from .war import WARPolicy
+from .war import WarDispatchPolicy
 
 POLICIES: Dict[str, Type[DispatchPolicy]] = {
     cls.name: cls
     for cls in (RoundRobinPolicy, LeastLoadedPolicy, StickyPolicy, SGLangCacheAwarePolicy,
-                WARPolicy)
+                WarDispatchPolicy)
 }
 
 
@@ -50,4 +50,4 @@ def make_policy(name: str, num_engines: int, **kwargs) -> DispatchPolicy:
 
 __all__ = ["DEFER", "DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
            "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy",
-           "SGLangCacheAwarePolicy", "WARPolicy"]
+           "SGLangCacheAwarePolicy", "WarDispatchPolicy"]

@@ -107,6 +107,14 @@ class DispatchPolicy(abc.ABC):
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         """The trajectory is done; forget its per-trajectory state."""
 
+    def start_batch(self) -> None:
+        """A new synchronous rollout batch starts (OpenRLHF's placement re-snapshots load here)."""
+
+    def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> Optional[int]:
+        """How many leading tokens of ``context`` this policy believes ``engine_id`` holds in its
+        prefix cache; ``None`` when the policy keeps no model of the engines' caches."""
+        return None
+
     # ---- helpers shared by the policies ---------------------------------------------------
     def _healthy(self, engines: Sequence[EngineState]) -> List[EngineState]:
         """Healthy engines, validated; raise a ValueError naming the problem if none."""

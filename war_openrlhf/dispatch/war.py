@@ -80,7 +80,7 @@ from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain
 _UNSET_CAPACITY = 1 << 62  # until the first snapshot tells the capacity
 
 
-class WARPolicy(DispatchPolicy):
+class WarDispatchPolicy(DispatchPolicy):
     name = "war"
 
     def __init__(self, num_engines: int, *,
@@ -280,7 +280,7 @@ class WARPolicy(DispatchPolicy):
             self._final_sum += old[1]
             self._final_count += 1
 
-    def cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
+    def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""
         tc = TrajectoryChain()
         tc.sync(context)

@@ -2,9 +2,12 @@
 switches on and off with measured load.
 
 - :mod:`config`: :class:`EngineConfig` and start-up checks that name the setting to change.
-- :mod:`suffix_hook`: the WAR replica behind vLLM's ``suffix`` drafter (a worker extension).
+- :mod:`worker_extension`: the vLLM worker extension that puts the WAR replica behind vLLM's
+  ``suffix`` drafter (worker process); :mod:`suffix_cache`: that replica, as the drafter's cache.
+- :mod:`rpc`: the driver side: the extension's RPC names, engine arguments, request tags,
+  :class:`~war_openrlhf.engine.rpc.EngineIndexClient`.
+- :mod:`wire`: log entries and tensors as msgpack/pickle-safe data (driver <-> worker).
 - :mod:`spec_switch`: the load-aware switch (online step-latency curve).
 - :mod:`engine`: :class:`WarEngine`, one async vLLM engine (also OpenRLHF's rollout-actor surface).
 - :mod:`actors`: :func:`create_war_engines`, the Ray actors.
-- :mod:`tiny_model`: a small random Llama + tokenizer built locally, for tests and demos.
 """

@@ -3,12 +3,13 @@ one GPU each."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any
 
+from ..device import cuda_available
 from .config import EngineConfig, check_startup
-from .engine import WarEngine, cuda_available
+from .engine import WarEngine
+from .launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options
 
 
 def create_war_engines(
@@ -30,21 +31,15 @@ def create_war_engines(
     """
     import ray
 
-    if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
-        raise ValueError(f"num_engines: must be an int >= 1, got {num_engines!r}")
+    check_num_engines(num_engines)
     cuda = cuda_available()
-    cores = os.cpu_count() or 1
-    if not cuda and config.cpu_core is None and num_engines > cores:
-        raise ValueError(
-            f"num_engines: {num_engines} CPU engines need {num_engines} cores, this machine has {cores}; "
-            "run fewer engines"
-        )
+    cores = cpu_engine_cores(num_engines) if not cuda and config.cpu_core is None else None
     configs = []
     taken: set[int] = set()
     for i in range(num_engines):  # check every engine before starting any
         cfg = replace(config, seed=config.seed + i)
-        if not cuda and config.cpu_core is None:
-            cfg = replace(cfg, cpu_core=i)
+        if cores is not None:
+            cfg = replace(cfg, cpu_core=cores[i])
         check_startup(cfg, cuda=cuda, taken_cores=taken)  # e.g. one explicit cpu_core for 2 engines
         if not cuda and cfg.cpu_core is not None:
             taken.add(cfg.cpu_core)
@@ -59,10 +54,11 @@ def create_war_engines(
     handles = []
     for i, cfg in enumerate(configs):
         env_vars = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
-        if not cuda:
-            env_vars["VLLM_CPU_OMP_THREADS_BIND"] = env_vars.get("VLLM_CPU_OMP_THREADS_BIND", str(cfg.cpu_core))
-        options: dict[str, Any] = dict(num_cpus=1, num_gpus=1 if cuda else 0,
-                                       runtime_env={"env_vars": env_vars}, max_concurrency=1000)
+        if not cuda:  # a core bind given in env wins here
+            for name, value in cpu_engine_env(cfg.cpu_core).items():
+                env_vars.setdefault(name, value)
+        options = engine_actor_options(cuda=cuda, env_vars=env_vars)
+        options["max_concurrency"] = 1000
         if pg is not None:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -108,7 +108,7 @@ def check_startup(config: EngineConfig, *, cuda: bool, taken_cores: set[int] | N
     if not model_dir.is_dir():
         raise ValueError(
             f"EngineConfig.model: '{config.model}' is not a directory; pass a local HF model directory "
-            "(war_openrlhf.engine.tiny_model.build_tiny_model makes a small one)"
+            "(war_openrlhf.fixtures.tiny_model.build_tiny_model makes a small one)"
         )
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"EngineConfig.model: '{config.model}' has no config.json; is it a HF model directory?")

@@ -26,18 +26,21 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..device import cuda_available
 from ..speculation.log import LogEntry
 from .config import EngineConfig, check_startup
-from .suffix_hook import entries_to_wire, tensors_to_wire, war_engine_kwargs, war_extra_args
-
-
-def cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover
-        return False
+from .launch import cpu_engine_env
+from .rpc import (
+    RPC_APPLY_LOG,
+    RPC_INDEX_STATS,
+    RPC_INSTALL_INDEX,
+    RPC_LOAD_WEIGHTS,
+    RPC_SET_MODE,
+    RPC_SET_SWITCH,
+    war_engine_kwargs,
+    war_extra_args,
+)
+from .wire import entries_to_wire, tensors_to_wire
 
 
 class _SchedulerStatsLogger:
@@ -98,9 +101,7 @@ class WarEngine:
         self.cuda = cuda_available()
         check_startup(self.config, cuda=self.cuda)
         if not self.cuda:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(self.config.kv_cache_space_gib))))
-            if self.config.cpu_core is not None:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(self.config.cpu_core)
+            os.environ.update(cpu_engine_env(self.config.cpu_core, self.config.kv_cache_space_gib))
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # OpenRLHF's weight-sync RPCs
         self._openrlhf_worker = openrlhf_worker
         self._agent_func_path = agent_func_path
@@ -109,6 +110,7 @@ class WarEngine:
         self._last_seq_sent = 0
         self._flush_lock: asyncio.Lock | None = None
         self._sync_errors = 0
+        self._index_owner: str | None = None
         self._last_sync_error: str | None = None
         self._flusher: asyncio.Task | None = None
         self.llm = None
@@ -158,7 +160,7 @@ class WarEngine:
         self._flush_lock = asyncio.Lock()
         await self._check_sampler()
         if cfg.speculation != "vllm_suffix":
-            await self._rpc("war_install_index", asdict(cfg.index), asdict(cfg.switch), cfg.speculation)
+            await self._rpc(RPC_INSTALL_INDEX, asdict(cfg.index), asdict(cfg.switch), cfg.speculation)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
         if self._agent_func_path:
             from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
@@ -167,15 +169,15 @@ class WarEngine:
         return await self.stats()
 
     async def vllm_cpu_fixes(self) -> dict[str, Any]:
-        """What ``war_openrlhf.vllm_cpu_fixes`` applied in this engine's worker process, and whether
+        """What ``war_openrlhf.cpu.vllm_fixes`` applied in this engine's worker process, and whether
         the rejection sampler it runs passes the expand probe (``sampler_sound``)."""
-        from ..vllm_cpu_fixes import worker_report
+        from ..cpu.vllm_fixes import worker_report
 
         return (await self.llm.collective_rpc(worker_report))[0]
 
     async def _check_sampler(self) -> None:
         """Refuse to run a speculating engine whose sampler would sample a wrong distribution."""
-        from ..vllm_cpu_fixes import ENV_SWITCH
+        from ..cpu.vllm_fixes import ENV_SWITCH
 
         report = await self.vllm_cpu_fixes()
         self.sampler_report = report
@@ -295,7 +297,7 @@ class WarEngine:
                 return 0
             batch = list(self._pending)
             try:
-                applied = int(await self._rpc("war_apply_log", batch))
+                applied = int(await self._rpc(RPC_APPLY_LOG, batch))
             except Exception as exc:
                 self._sync_errors += 1
                 self._last_sync_error = f"{type(exc).__name__}: {exc}"
@@ -320,13 +322,13 @@ class WarEngine:
         """``auto`` | ``on`` | ``off``: override the load-aware switch; returns the previous mode."""
         if self.config.speculation == "vllm_suffix":
             raise ValueError("set_speculation: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
-        return await self._rpc("war_set_mode", mode)
+        return await self._rpc(RPC_SET_MODE, mode)
 
     async def set_switch(self, switch: Mapping[str, Any]) -> dict[str, Any]:
         """Replace the load-aware switch's settings (its measurements start afresh)."""
         if self.config.speculation == "vllm_suffix":
             raise ValueError("set_switch: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
-        return await self._rpc("war_set_switch", dict(switch))
+        return await self._rpc(RPC_SET_SWITCH, dict(switch))
 
     async def stats(self) -> dict[str, Any]:
         logger = self._stats_logger
@@ -337,6 +339,7 @@ class WarEngine:
             "sync_lag_records": len(self._pending),
             "sync_lag_seconds": (time.monotonic() - self._pending_since) if self._pending_since else 0.0,
             "sync_errors": self._sync_errors,
+            "index_owner": self._index_owner,
             "last_sync_error": self._last_sync_error,
         }
         if logger is not None:
@@ -347,19 +350,23 @@ class WarEngine:
             if cache.num_gpu_blocks:
                 out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
         if self.config.speculation != "vllm_suffix" and self.llm is not None:
-            out["war"] = await self._rpc("war_index_stats", False)
+            out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out
 
-    async def reset_index(self) -> dict[str, Any]:
-        """Start the replica afresh (empty index, new switch measurements) and forget the log
-        position: the next ``push_log`` may start again at seq 1 (a new pool / log)."""
+    async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]:
+        """Start the replica afresh (empty index, new switch measurements) for the log of
+        ``owner`` (a pool), whose next entry to push is ``start_seq + 1`` (0: a new log; more:
+        the owner's log was truncated up to ``start_seq``). ``stats()["index_owner"]`` tells a
+        pool whether another pool has since taken the engine's index."""
         if self.config.speculation == "vllm_suffix":
             raise ValueError("reset_index: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
         async with self._flush_lock:
             self._pending.clear()
             self._pending_since = None
-            self._last_seq_sent = 0
-            await self._rpc("war_install_index", asdict(self.config.index), asdict(self.config.switch), None)
+            self._last_seq_sent = int(start_seq)
+            self._index_owner = owner
+            await self._rpc(RPC_INSTALL_INDEX, asdict(self.config.index), asdict(self.config.switch), None,
+                            int(start_seq))
         return await self.stats()
 
     async def reset_prefix_cache(self) -> None:
@@ -370,7 +377,7 @@ class WarEngine:
         HF ``state_dict``), shipped through Ray's object store on CPU. Resets the
         prefix cache (cached KV was computed with the old weights). On GPU clusters
         the trainer uses NCCL through ``init_process_group``/``update_weight``."""
-        n = await self._rpc("war_load_weights", tensors_to_wire(named_tensors))
+        n = await self._rpc(RPC_LOAD_WEIGHTS, tensors_to_wire(named_tensors))
         await self.llm.reset_prefix_cache()
         return int(n)
 

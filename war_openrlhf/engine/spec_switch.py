@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..config_checks import check_int
+from ..config_checks import check_int, check_number
 
 
 @dataclass
@@ -52,19 +52,16 @@ class SpecSwitchConfig:
     enabled: bool = True  # False: never speculate (a kill switch, not a load rule)
 
     def __post_init__(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SpecSwitchConfig.{name}: {why}, got {getattr(self, name)!r}")
-
         for name in ("window_steps", "min_samples"):
             check_int("SpecSwitchConfig", name, getattr(self, name), 1)
         for name in ("fallback_max_batch", "fallback_hysteresis_requests", "explore_every", "settle_steps"):
             check_int("SpecSwitchConfig", name, getattr(self, name), 0)
-        if not self.threshold > 0:
-            raise bad("threshold", "must be > 0")
-        if not 0 <= self.hysteresis < self.threshold:
-            raise bad("hysteresis", "must be in [0, threshold)")
-        if not 0 < self.ewma <= 1:
-            raise bad("ewma", "must be in (0, 1]")
+        check_number("SpecSwitchConfig", "threshold", self.threshold, gt=0)
+        check_number("SpecSwitchConfig", "hysteresis", self.hysteresis, ge=0)
+        if self.hysteresis >= self.threshold:
+            raise ValueError(f"SpecSwitchConfig.hysteresis: must be below threshold ({self.threshold}), "
+                             f"got {self.hysteresis!r}")
+        check_number("SpecSwitchConfig", "ewma", self.ewma, gt=0, le=1)
 
 
 def _bucket(batch: float) -> int:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config_checks import check_int, dataclass_from_dict
+from ..config_checks import check_int, check_number, dataclass_from_dict
 from ..dispatch import POLICIES
 from ..engine.config import EngineConfig
 
@@ -30,7 +30,7 @@ class RolloutConfig:
     n_samples_per_prompt: int = 4
     max_turns: int = 8
     max_context_tokens: int = 2048
-    max_new_tokens_per_turn: int = 256
+    max_new_tokens_per_turn: int | None = 256  # None: only the context bounds a turn (OpenRLHF's way)
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -47,9 +47,9 @@ class RolloutConfig:
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
         for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),
-                              ("max_context_tokens", 2), ("max_new_tokens_per_turn", 1),
-                              ("engine_retries", 0)):
+                              ("max_context_tokens", 2), ("engine_retries", 0)):
             check_int("RolloutConfig", name, getattr(self, name), minimum)
+        check_int("RolloutConfig", "max_new_tokens_per_turn", self.max_new_tokens_per_turn, 1, nullable=True)
         check_int("RolloutConfig", "seed", self.seed, 0, nullable=True)
         if self.dispatch_policy not in POLICIES:
             raise ValueError(f"RolloutConfig.dispatch_policy: unknown policy '{self.dispatch_policy}'; "
@@ -63,16 +63,11 @@ class RolloutConfig:
         if self.prompt_overflow not in ("truncate", "end"):
             raise ValueError(f"RolloutConfig.prompt_overflow: '{self.prompt_overflow}' is not one of truncate, end "
                              "(truncate: keep the prompt's last tokens, as OpenRLHF does; end: end the episode)")
-        if not self.tool_timeout_s > 0:
-            raise ValueError(f"RolloutConfig.tool_timeout_s: must be > 0 seconds, got {self.tool_timeout_s}")
-        if not self.temperature >= 0:
-            raise ValueError(f"RolloutConfig.temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"RolloutConfig.top_p: must be in (0, 1], got {self.top_p}")
-        for name in ("log_sync_interval_s", "stats_interval_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"RolloutConfig.{name}: must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_new_tokens_per_turn >= self.max_context_tokens:
+        for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s"):  # seconds
+            check_number("RolloutConfig", name, getattr(self, name), gt=0)
+        check_number("RolloutConfig", "temperature", self.temperature, ge=0)
+        check_number("RolloutConfig", "top_p", self.top_p, gt=0, le=1)
+        if self.max_new_tokens_per_turn is not None and self.max_new_tokens_per_turn >= self.max_context_tokens:
             raise ValueError(f"RolloutConfig.max_new_tokens_per_turn ({self.max_new_tokens_per_turn}) must be "
                              f"below max_context_tokens ({self.max_context_tokens})")
         if self.engine.model and self.max_context_tokens > self.engine.max_model_len:
@@ -97,6 +92,13 @@ class RolloutConfig:
         if eng:
             data["engine"] = {**(data.get("engine") or {}), **eng}
         return cls.from_dict({**data, **overrides}, source=str(path))
+
+    @property
+    def turn_token_cap(self) -> int:
+        """The most tokens one model turn may generate (before the context budget applies)."""
+        if self.max_new_tokens_per_turn is None:
+            return self.max_context_tokens - 1
+        return self.max_new_tokens_per_turn
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

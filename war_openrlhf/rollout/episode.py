@@ -85,7 +85,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         raise ValueError("reset() must return a dict with a str 'observation'")
     observation_text = reset["observation"]
     tokens = _encode(tokenizer, observation_text)
-    room = cfg.max_context_tokens - min(cfg.max_new_tokens_per_turn, cfg.max_context_tokens - 1)
+    room = cfg.max_context_tokens - min(cfg.turn_token_cap, cfg.max_context_tokens - 1)
     if len(tokens) > room:
         if cfg.prompt_overflow == "end":
             traj.token_ids, traj.action_mask, traj.logprobs = list(tokens), [0] * len(tokens), [0.0] * len(tokens)
@@ -107,7 +107,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         if budget <= 0:
             traj.end_reason = "max_context"
             return
-        params = dict(sampling, max_tokens=min(cfg.max_new_tokens_per_turn, budget), logprobs=0)
+        params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget), logprobs=0)
         seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
         if seed is not None:
             params["seed"] = seed

@@ -29,57 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
+from ..engine.stats import EngineStats
 from ..speculation import CompletedSequence, CompletedSequenceLog
 from .agents import load_agent_class
 from .config import RolloutConfig
+from .engine_client import EngineClient, EngineDead
 from .episode import run_episode
 from .trajectory import Trajectory
-
-_UNKNOWN_KV = 1 << 40
-
-
-def _actor_died(exc: BaseException) -> bool:
-    """True if ``exc`` means the engine actor is gone (not a bad request)."""
-    try:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))
-
-
-class _Engine:
-    """The pool's view of one engine: a handle plus what it has in flight."""
-
-    def __init__(self, index: int, handle: Any) -> None:
-        self.index = index
-        self.handle = handle
-        self.remote = hasattr(handle, "generate_tokens") and hasattr(handle.generate_tokens, "remote")
-        self.healthy = True
-        self.error: str | None = None
-        self.in_flight = 0
-        self.queued_tokens = 0
-        self.parked = 0
-        self.kv_capacity_tokens = _UNKNOWN_KV
-        self.log_sent = 0
-        self.turns = 0
-        self.last_stats: dict[str, Any] = {}
-
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        fn = getattr(self.handle, method)
-        if self.remote:
-            return await fn.remote(*args, **kwargs)
-        return await fn(*args, **kwargs)
-
-    def state(self, exclude_parked: int = 0) -> EngineState:
-        return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
-                           max(0, self.parked - exclude_parked), self.healthy)
-
 
 @dataclass
 class BatchResult:
@@ -92,7 +55,7 @@ class BatchResult:
     redispatched_turns: int
     deferrals: int
     engine_turns: list[int]
-    engine_stats: list[dict[str, Any]] = field(default_factory=list)
+    engine_stats: list[EngineStats] = field(default_factory=list)
     end_reasons: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -104,8 +67,7 @@ class BatchResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def summary(self) -> dict[str, Any]:
-        spec = [s.get("war", {}).get("switch", {}) for s in self.engine_stats]
-        fr = [x.get("spec_step_fraction") for x in spec]
+        fr = [s.spec_step_fraction for s in self.engine_stats]
         return {
             "episodes": len(self.trajectories), "wall_s": self.wall_s,
             "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
@@ -125,7 +87,7 @@ class RolloutPool:
         if not engines:
             raise ValueError("engines: a pool needs at least one engine")
         self.config = config
-        self.engines = [_Engine(i, h) for i, h in enumerate(engines)]
+        self.engines = [EngineClient(i, h) for i, h in enumerate(engines)]
         if policy is None:
             try:
                 policy = make_policy(config.dispatch_policy, len(self.engines), **config.dispatch_kwargs)
@@ -152,7 +114,7 @@ class RolloutPool:
         self._deferrals = 0
         self._tokens_generated = 0
         self._started_handles = False
-        self._index_attached = False
+        self.pool_id = f"pool-{uuid.uuid4().hex[:12]}"  # owner of the engines' index replicas
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -199,7 +161,7 @@ class RolloutPool:
     async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
                             sampling_params: dict[str, Any], turn_index: int,
                             tokens_so_far: int) -> dict[str, Any]:
-        ctx = np.asarray(context, dtype=np.int32)
+        ctx = np.asarray(context, dtype=np.int32)  # one array for the dispatcher, the log and the wire
         request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far)
         attempts = 0
         while True:
@@ -216,12 +178,10 @@ class RolloutPool:
             eng.queued_tokens += budget
             attempts += 1
             try:
-                out = await eng.call("generate_tokens", [int(x) for x in ctx], dict(sampling_params), None,
-                                     trajectory_id, group_id)
-            except Exception as exc:
-                if not _actor_died(exc) or attempts > self.config.engine_retries:
+                out = await eng.generate_tokens(ctx.tolist(), sampling_params, trajectory_id, group_id)
+            except EngineDead:
+                if attempts > self.config.engine_retries:
                     raise
-                self._mark_dead(eng, exc)
                 self._redispatched += 1
                 continue
             finally:
@@ -237,73 +197,70 @@ class RolloutPool:
             await self._notify()
             return out
 
-    def _mark_dead(self, eng: _Engine, exc: BaseException) -> None:
-        if eng.healthy:
-            eng.healthy = False
-            eng.error = f"{type(exc).__name__}: {exc}"[:500]
-
     # ------------------------------------------------------------------ index sync & stats
     async def sync_log(self, flush: bool = False) -> None:
         """Ship log entries each healthy engine has not seen yet; truncate what all have.
         ``flush``: also make every replica apply them now (end of a batch), instead of within
-        the engine's lag bound."""
+        the engine's lag bound. A dead engine is marked so and skipped; an engine that refuses
+        the entries (its index was reset by another client) is counted in ``sync_errors`` and
+        re-attached at the next batch: drafting is lost there meanwhile, rollouts are not."""
         last = self.log.last_seq
         for e in self.engines:
-            if not e.healthy or e.log_sent >= last:
+            if not e.healthy or e.log_sent >= last or e.last_sync_error:
                 continue
             entries = self.log.read(e.log_sent)
             try:
-                await e.call("push_log", entries)
+                await e.push_log(entries)
                 e.log_sent = entries[-1].seq if entries else e.log_sent
-            except Exception as exc:
-                if _actor_died(exc):
-                    self._mark_dead(e, exc)
+            except EngineDead:
+                pass
+            except Exception as exc:  # noqa: BLE001 - reported, and repaired at the next batch
+                self._sync_failed(e, exc)
         if flush:
             for e in self.engines:
-                if e.healthy:
+                if e.healthy and not e.last_sync_error:
                     try:
-                        await e.call("flush_log")
-                    except Exception as exc:
-                        if _actor_died(exc):
-                            self._mark_dead(e, exc)
-        alive = [e.log_sent for e in self.engines if e.healthy]
+                        await e.flush_log()
+                    except EngineDead:
+                        pass
+                    except Exception as exc:  # noqa: BLE001
+                        self._sync_failed(e, exc)
+        alive = [e.log_sent for e in self.engines if e.healthy and not e.last_sync_error]
         if alive and min(alive) > self.log.first_seq:
             self.log.truncate(min(alive))
 
-    async def _reset_indexes(self) -> None:
-        for e in self.engines:
-            if e.healthy and self.config.engine.speculation != "vllm_suffix":
-                try:
-                    await e.call("reset_index")
-                    e.log_sent = 0
-                except Exception as exc:
-                    if not _actor_died(exc):
-                        raise
-                    self._mark_dead(e, exc)
+    @staticmethod
+    def _sync_failed(e: EngineClient, exc: BaseException) -> None:
+        e.sync_errors += 1
+        e.last_sync_error = f"{type(exc).__name__}: {exc}"[:500]
+
+    async def _attach_indexes(self) -> None:
+        """Make every healthy engine's replica follow this pool's log: engines never attached,
+        taken over by another pool since (``index_owner``), or that refused entries start afresh
+        at the log's first retained entry."""
+        if self.config.engine.speculation == "vllm_suffix":
+            return
+        for e, stats in zip(self.engines, await self.engine_stats()):
+            if not e.healthy or (stats.index_owner == self.pool_id and not e.last_sync_error):
+                continue
+            try:
+                await e.reset_index(self.pool_id, self.log.first_seq - 1)
+            except EngineDead:
+                continue
+            e.log_sent = self.log.first_seq - 1
+            e.last_sync_error = None
 
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.log_sync_interval_s)
             await self.sync_log()
 
-    async def engine_stats(self) -> list[dict[str, Any]]:
-        out = []
-        for e in self.engines:
-            if e.healthy:
-                try:
-                    e.last_stats = await e.call("stats")
-                    cap = e.last_stats.get("kv_capacity_tokens")
-                    if cap:
-                        e.kv_capacity_tokens = int(cap)
-                except Exception as exc:
-                    if _actor_died(exc):
-                        self._mark_dead(e, exc)
-            out.append({**e.last_stats, "healthy": e.healthy, "error": e.error})
-        return out
+    async def engine_stats(self) -> list[EngineStats]:
+        """Every engine's report (the last one for an engine that died, with ``healthy`` False)."""
+        return [await e.stats() for e in self.engines]
 
     def speculating_fraction(self) -> float | None:
-        fr = [e.last_stats.get("war", {}).get("switch", {}).get("spec_step_fraction")
-              for e in self.engines if e.healthy]
+        fr = [e.last_stats.spec_step_fraction for e in self.engines if e.healthy]
         fr = [f for f in fr if f is not None]
         return float(np.mean(fr)) if fr else None
 
@@ -335,11 +292,8 @@ class RolloutPool:
         self._turn_done = asyncio.Condition()
         b = self._batch_index
         self._batch_index += 1
-        if hasattr(self.policy, "start_batch"):
-            self.policy.start_batch()
-        if not self._index_attached:  # this pool's log starts at seq 1: engines' replicas start afresh
-            await self._reset_indexes()
-            self._index_attached = True
+        self.policy.start_batch()
+        await self._attach_indexes()
         await self.engine_stats()  # KV capacities for the dispatcher
         self._redispatched = self._deferrals = 0
         turns0 = [e.turns for e in self.engines]

@@ -43,7 +43,7 @@ The model
 * **GRPO steps**: the trials of a task form a group; ``config.steps`` synchronous steps each
   take a contiguous slice of the groups, start all their trajectories at the step's start and
   end when the last one ends; engines keep their caches across steps. A policy with
-  ``start_batch()`` (least_loaded) is told at each step start.
+  ``start_batch()`` is told at each step start (least_loaded re-snapshots load there).
 * **EngineState** per engine: ``running``, ``waiting``, ``queued_tokens`` (remaining prefill +
   remaining decode tokens of its queued and running requests -- the decode part uses the
   recorded response lengths, an oracle an engine would replace by an estimate; a waiting
@@ -559,8 +559,7 @@ class ClusterSimulator:
         for s in range(nsteps):
             step_trajs = [t for g in glist[bounds[s]:bounds[s + 1]] for t in g]
             t0 = now
-            if hasattr(pol, "start_batch"):
-                pol.start_batch()
+            pol.start_batch()
             heap: List[tuple] = []
             for t in step_trajs:
                 heap.append((t0, seq, _ARRIVE, t, 0))

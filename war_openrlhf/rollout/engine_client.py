@@ -1,0 +1,122 @@
+"""The pool's client for one engine: typed calls, one dead-actor guard, the engine's load.
+
+The pool is every engine's only client, so it keeps what the dispatcher needs (requests in
+flight, their token budget, trajectories parked on a tool, KV capacity, health) here rather
+than asking the engine each turn. An engine is a :class:`EngineHandle`: a
+:class:`~war_openrlhf.engine.WarEngine` in this process or its Ray actor handle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from ..dispatch import EngineState
+from ..engine.stats import EngineStats
+
+__all__ = ["EngineHandle", "EngineClient", "EngineDead", "actor_died"]
+
+#: KV capacity assumed until an engine reports its own.
+UNKNOWN_KV_TOKENS = 1 << 40
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """What the pool calls on an engine (``WarEngine``'s methods; on a Ray handle, ``.remote``)."""
+
+    async def generate_tokens(self, prompt_token_ids: Sequence[int], sampling_params: Any = None,
+                              request_id: str | None = None, trajectory_id: str | None = None,
+                              group_id: str | None = None) -> dict[str, Any]: ...
+
+    async def push_log(self, wire_entries: Any) -> int: ...
+
+    async def flush_log(self) -> int: ...
+
+    async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]: ...
+
+    async def stats(self) -> dict[str, Any]: ...
+
+
+class EngineDead(RuntimeError):
+    """The engine's actor is gone; the client is marked unhealthy."""
+
+
+def actor_died(exc: BaseException) -> bool:
+    """True if ``exc`` means the engine actor is gone (not a bad request)."""
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))
+
+
+class EngineClient:
+    """One engine as the pool sees it."""
+
+    def __init__(self, index: int, handle: Any) -> None:
+        self.index = index
+        self.handle = handle
+        self.remote = hasattr(handle, "generate_tokens") and hasattr(handle.generate_tokens, "remote")
+        self.healthy = True
+        self.error: str | None = None
+        self.in_flight = 0
+        self.queued_tokens = 0
+        self.parked = 0
+        self.kv_capacity_tokens = UNKNOWN_KV_TOKENS
+        self.log_sent = 0
+        self.sync_errors = 0  # index log pushes the engine refused (not a dead actor)
+        self.last_sync_error: str | None = None
+        self.turns = 0
+        self.last_stats = EngineStats(engine=index)
+
+    # ------------------------------------------------------------------ calls
+    async def _call(self, method: str, *args: Any) -> Any:
+        """The one place an engine is called: a dead actor marks this client unhealthy and
+        raises :class:`EngineDead`; any other error propagates unchanged."""
+        fn = getattr(self.handle, method)
+        try:
+            return await (fn.remote(*args) if self.remote else fn(*args))
+        except Exception as exc:
+            if not actor_died(exc):
+                raise
+            self.mark_dead(exc)
+            raise EngineDead(f"engine {self.index}: {self.error}") from exc
+
+    async def generate_tokens(self, context: Sequence[int], sampling_params: dict[str, Any], trajectory_id: str,
+                              group_id: str) -> dict[str, Any]:
+        return await self._call("generate_tokens", list(context), dict(sampling_params), None, trajectory_id,
+                                group_id)
+
+    async def push_log(self, entries: list) -> None:
+        await self._call("push_log", entries)
+
+    async def flush_log(self) -> None:
+        await self._call("flush_log")
+
+    async def reset_index(self, owner: str, start_seq: int) -> None:
+        await self._call("reset_index", owner, start_seq)
+
+    async def stats(self) -> EngineStats:
+        """Ask the engine; remember its report and its KV capacity (kept on failure)."""
+        if self.healthy:
+            try:
+                wire = await self._call("stats")
+            except EngineDead:
+                pass
+            else:
+                self.last_stats = EngineStats.from_wire(wire)
+                if self.last_stats.kv_capacity_tokens:
+                    self.kv_capacity_tokens = self.last_stats.kv_capacity_tokens
+        return replace(self.last_stats, engine=self.index, healthy=self.healthy, error=self.error)
+
+    # ------------------------------------------------------------------ state
+    def mark_dead(self, exc: BaseException) -> None:
+        if self.healthy:
+            self.healthy = False
+            self.error = f"{type(exc).__name__}: {exc}"[:500]
+
+    def state(self, exclude_parked: int = 0) -> EngineState:
+        """The dispatcher's snapshot of this engine."""
+        return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
+                           max(0, self.parked - exclude_parked), self.healthy)
+
