@@ -1,33 +1,40 @@
-"""End-to-end rollout benchmark: OpenRLHF 0.11.2's own rollout path vs the WAR pool.
+"""Real-engine rollout benchmark: OpenRLHF 0.11.2's own rollout path vs the WAR pool and its peers.
 
-    python tools/bench_rollout.py --task arithmetic_calculator --engines 2 --load low \
-        --json results/bench_rollout_arith_low.json
+    python tools/bench_rollout.py --task arithmetic_calculator --engines 2 --load low --model peaked \
+        --repeats 3 --json results/bench_rollout_low.json
+    python tools/bench_rollout.py --task arithmetic_calculator --engines 2 --load high --pressure 2 \
+        --model peaked --repeats 3 --json results/bench_rollout_high_p2.json
 
-One process, the same prompts (the task's ``dataset.generate(n, seed)``), the same model and
-the same engine count, one synchronous rollout step per run (all episodes start together; the
-step ends when the last one ends). Configurations:
+One process, the same prompts (the task's ``dataset.generate(n, seed)``), the same model, the
+same engine count and the same KV size for every configuration; one synchronous rollout step per
+run (all episodes start together; the step ends when the last one ends); every configuration
+``--repeats`` times in rotating order (all engine sets stay up, only one runs at a time).
 
-* ``baseline``: OpenRLHF's path (:mod:`war_openrlhf.baselines.openrlhf_rollout`): its
-  ``RolloutRayActor`` engines with vLLM's default configuration, its least-loaded dispatch of
-  whole prompts (n samples each), its ``MultiTurnAgentExecutor`` inside the engine actor.
+Configurations (``--configs``):
+
+* ``openrlhf``: OpenRLHF's path (:mod:`war_openrlhf.baselines.openrlhf_rollout`): its
+  ``RolloutRayActor`` engines, its least-loaded dispatch of whole prompts (n samples each), its
+  ``MultiTurnAgentExecutor`` inside the engine actor. Unchanged.
+* ``openrlhf_vllm_suffix``: the same path with vLLM's own ``suffix`` speculation (per-engine
+  trees, vLLM's defaults, K = ``--num-speculative-tokens``): one engine argument away for a user.
 * ``war``: the WAR pool, ``war`` dispatch per turn, speculation ``auto`` (load-aware switch).
-* ``spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
-  stay on one engine), speculation ``auto``.
-* ``sched_only``: the WAR pool, ``war`` dispatch, speculation ``off``.
-* ``pool_plain``: the WAR pool with OpenRLHF's placement and speculation off: the pool's own
-  overhead against OpenRLHF's executor, with neither mechanism.
+* ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
+  stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
+* ``war_sched_only``: ``war`` dispatch, speculation ``off``.
+* ``war_sticky``, ``war_sglang_cache_aware``: the WAR pool (speculation ``auto``) under verl's
+  sticky and SGLang's cache-aware routers, so the routers differ and nothing else.
 
-The WAR configurations share one set of engines (started once): before each run every
-engine's prefix cache is reset (as after a weight update), the new pool starts every engine's
-suffix index afresh, and the speculation mode is set. The per-turn token budget is OpenRLHF's: ``max_len`` minus the context so far.
-``--repeats`` runs every configuration that many times in rotating order and reports the
-median run. Loads: ``low`` = ``--low-prompts`` prompts per engine, ``high`` =
-``--high-prompts`` (x ``--n-samples`` episodes each).
+KV regime: ``--kv-tokens N`` gives every engine (WAR's and OpenRLHF's) exactly N tokens of KV
+cache (vLLM's ``num_gpu_blocks_override``, whole blocks; never below one max-length sequence);
+``--pressure P`` picks N so that the live context per engine is P times the KV: a calibration
+step (``war``, ample KV) measures the episodes' final context length first. The output states
+the regime. Loads: ``low`` = ``--low-prompts`` prompts per engine, ``high`` = ``--high-prompts``
+(x ``--n-samples`` episodes each).
 
-Model (``--model``): ``random`` (default) is the random-init tiny model built locally, or a
-model directory (a real model). On a
-CUDA machine the same command runs the real engines (CUDA vLLM) unchanged; pass a real model
-directory with ``--model``.
+Model (``--model``): ``random`` (random-init tiny Llama), ``peaked`` (the same with a sharpened
+output layer, ~1 nat/token: text that can be drafted), or a model directory. On a CUDA machine
+the same command runs CUDA vLLM engines (``openrlhf_vllm_suffix`` and ``--kv-tokens`` need the
+CPU path of the baseline; see ``start_openrlhf_engines``).
 """
 
 from __future__ import annotations
@@ -47,13 +54,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TASKS = ("arithmetic_calculator", "sql_qa", "doc_lookup")
-CONFIGS = ("baseline", "war", "spec_only", "sched_only", "pool_plain")
+BASELINES = {"openrlhf": None, "openrlhf_vllm_suffix": "suffix"}
 WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war": ("war", "auto"),
-    "spec_only": ("least_loaded", "auto"),
-    "sched_only": ("war", "off"),
-    "pool_plain": ("least_loaded", "off"),
+    "war_spec_only": ("least_loaded", "auto"),
+    "war_sched_only": ("war", "off"),
+    "war_sticky": ("sticky", "auto"),
+    "war_sglang_cache_aware": ("sglang_cache_aware", "auto"),
 }
+CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
 
 def load_task(name: str):
@@ -68,21 +77,40 @@ def load_task(name: str):
     return mod, d / "agent.py"
 
 
-def resolve_model(arg: str) -> Path:
-    if arg == "random":
-        from war_openrlhf.fixtures.tiny_model import build_tiny_model
+def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_latency: float, jitter: float,
+                per_env_token: float):
+    """(rows, agent file) of a ``traces:FILE`` workload (examples/trace_replay)."""
+    path = spec.split(":", 1)[1]
+    mod_spec = importlib.util.spec_from_file_location("war_bench_trace_dataset",
+                                                      ROOT / "examples" / "trace_replay" / "dataset.py")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    rows = mod.generate_from_traces(path, split=split, seed=seed, tool_latency_s=tool_latency,
+                                    jitter_sigma=jitter, per_env_token_s=per_env_token, max_groups=max_groups)
+    return rows, ROOT / "examples" / "trace_replay" / "agent.py"
 
+
+def resolve_model(arg: str, positions: int = 2048) -> Path:
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    if arg == "random":
         return build_tiny_model(ROOT / ".cache" / "war_tiny_llama")
+    if arg == "peaked":
+        if positions <= 2048:
+            return build_tiny_model(ROOT / ".cache" / "war_tiny_llama_peaked", lm_head_scale=6.0)
+        return build_tiny_model(ROOT / ".cache" / f"war_tiny_llama_peaked_{positions}", lm_head_scale=6.0,
+                                max_position_embeddings=positions)
     p = Path(arg)
     if not (p / "config.json").is_file():
-        raise SystemExit(f"--model: {arg} is neither 'random' nor a model directory")
+        raise SystemExit(f"--model: {arg} is neither 'random', 'peaked' nor a model directory")
     return p
 
 
-def _engine_totals(stats):
-    from war_openrlhf.engine.stats import COUNTERS
-
-    return {k: sum(getattr(s, k) for s in stats) for k in COUNTERS}
+def _percentile(values, q):
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls):
@@ -98,53 +126,120 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         kw["dispatch_kwargs"] = {"n_samples_per_prompt": n}
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
-    before = _engine_totals(asyncio.run(pool.engine_stats()))
+    before = asyncio.run(pool.engine_stats())
     res = pool.run_batch(prompts, labels)
-    after = _engine_totals(res.engine_stats)
-    d = {k: after[k] - before[k] for k in after}
+    d = {}
+    for b, a in zip(before, res.engine_stats):
+        for k, v in a.minus(b).items():
+            d[k] = d.get(k, 0) + v
     drafts = d["spec_drafts"]
-    spec = [s.spec_step_fraction for s in res.engine_stats]
+    latencies = [r.generate_s for t in res.trajectories for r in t.turns]
     return {
-        "wall_s": res.wall_s, "generated_tokens": res.generated_tokens, "tokens_per_s": res.tokens_per_s,
+        "step_s": res.wall_s, "generated_tokens": res.generated_tokens, "throughput_tok_s": res.tokens_per_s,
         "trajectories": len(res.trajectories), "turns": res.turns,
-        "prefix_hit_rate": res.prefix_hit_rate,
+        "final_context_tokens_mean": statistics.mean(len(t.token_ids) for t in res.trajectories),
+        "turn_latency_p50_s": _percentile(latencies, 0.5), "turn_latency_p99_s": _percentile(latencies, 0.99),
         "engine_prefix_hit_rate": d["prefix_cache_hits"] / d["prefix_cache_queries"] if d["prefix_cache_queries"] else None,
-        "tokens_per_engine_step": d["generation_tokens"] / d["steps"] if d["steps"] else None,
-        "mean_accepted_per_draft": d["spec_accepted_tokens"] / drafts if drafts else 0.0,
-        "speculating_fraction": [None if f is None else round(f, 3) for f in spec],
+        "preemptions": d["preemptions"],
+        "tokens_per_verification_step": 1.0 + d["spec_accepted_tokens"] / drafts if drafts else None,
+        "acceptance": d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] else None,
+        "speculating_fraction": [None if s.spec_step_fraction is None else round(s.spec_step_fraction, 3)
+                                 for s in res.engine_stats],
+        "kv_usage_peak": [round(e.peak_kv_usage, 3) for e in pool.engines],
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
         "mean_reward": res.summary()["mean_reward"],
     }
 
 
+def _vllm_counters(engines):
+    """Prometheus counters of each OpenRLHF engine's vLLM (prefix cache, spec decode, preemptions)."""
+    import ray
+
+    def read(actor):
+        from vllm.v1.metrics.reader import get_metrics_snapshot
+
+        names = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:spec_decode_num_drafts",
+                 "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+                 "vllm:num_preemptions")
+        out = dict.fromkeys(names, 0.0)
+        for m in get_metrics_snapshot():
+            if m.name in out and hasattr(m, "value"):
+                out[m.name] += float(m.value)
+        return out
+
+    try:
+        snaps = ray.get([e.__ray_call__.remote(read) for e in engines], timeout=30)
+    except Exception:  # metrics are a report, not the benchmark
+        return None
+    total: dict[str, float] = {}
+    for s in snaps:
+        for k, v in s.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
 def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature):
     from war_openrlhf.baselines.openrlhf_rollout import run_openrlhf_rollout
 
+    before = _vllm_counters(engines)
     exps, st = run_openrlhf_rollout(engines, prompts, labels, tokenizer=tokenizer, n_samples_per_prompt=n,
                                     max_new_tokens=None, max_len=max_len, temperature=temperature)
+    after = _vllm_counters(engines)
+    d = {k: after[k] - before[k] for k in after} if before and after else {}
     rewards = [float(e.rewards[0]) for e in exps if e.rewards is not None]
-    return {"wall_s": st["wall_s"], "generated_tokens": st["action_tokens"], "tokens_per_s": st["tokens_per_s"],
-            "trajectories": st["trajectories"], "prefix_hit_rate": None,
+    drafts = d.get("vllm:spec_decode_num_drafts", 0.0)
+    queries = d.get("vllm:prefix_cache_queries", 0.0)
+    return {"step_s": st["wall_s"], "generated_tokens": st["action_tokens"], "throughput_tok_s": st["tokens_per_s"],
+            "trajectories": st["trajectories"], "turns": None, "turn_latency_p50_s": None, "turn_latency_p99_s": None,
+            "engine_prefix_hit_rate": d["vllm:prefix_cache_hits"] / queries if queries else None,
+            "preemptions": int(d["vllm:num_preemptions"]) if d else None,
+            "tokens_per_verification_step": 1.0 + d["vllm:spec_decode_num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance": (d["vllm:spec_decode_num_accepted_tokens"] / d["vllm:spec_decode_num_draft_tokens"]
+                           if d.get("vllm:spec_decode_num_draft_tokens") else None),
             "engine_turns": st.get("trajectories_per_engine"),
             "mean_reward": sum(rewards) / len(rewards) if rewards else None}
 
 
+def _summarise(runs, base_step):
+    steps = [r["step_s"] for r in runs]
+    med = sorted(runs, key=lambda r: r["step_s"])[len(runs) // 2]
+    out = dict(med)
+    out["step_s"] = statistics.median(steps)
+    out["step_s_runs"] = [round(s, 3) for s in steps]
+    out["step_s_spread"] = [round(min(steps), 3), round(max(steps), 3)]
+    out["throughput_tok_s"] = statistics.median(r["throughput_tok_s"] for r in runs)
+    out["throughput_tok_s_runs"] = [round(r["throughput_tok_s"], 1) for r in runs]
+    out["x_openrlhf"] = base_step / out["step_s"] if base_step else None
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--task", default="arithmetic_calculator", choices=TASKS)
+    ap.add_argument("--workload", default="task:arithmetic_calculator",
+                    help="task:NAME (an example task) or traces:FILE (recorded trajectories, tau format)")
+    ap.add_argument("--split", choices=("tune", "report", "all"), default="report",
+                    help="traces: which half of the tasks (tune constants on one, report the other)")
+    ap.add_argument("--max-groups", type=int, help="traces: at most this many tasks (GRPO groups)")
+    ap.add_argument("--tool-latency", type=float, default=0.05, help="traces: median tool latency, s")
+    ap.add_argument("--tool-jitter", type=float, default=0.5, help="traces: lognormal sigma of the latency")
+    ap.add_argument("--per-env-token", type=float, default=0.0, help="traces: extra tool seconds per env token")
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--load", choices=("low", "high"), default="low")
+    ap.add_argument("--load", choices=("low", "high"), default="low",
+                    help="task workloads: --low-prompts or --high-prompts per engine (traces: --max-groups)")
     ap.add_argument("--json", required=True)
-    ap.add_argument("--model", default="random")
+    ap.add_argument("--model", default="peaked", help="random | peaked | a model directory (default %(default)s)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--n-samples", type=int, default=4)
     ap.add_argument("--low-prompts", type=int, default=1, help="prompts per engine at low load")
     ap.add_argument("--high-prompts", type=int, default=8, help="prompts per engine at high load")
-    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--max-len", type=int, help="context per episode (default: task 1024; traces: the longest, rounded up)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    kv = ap.add_mutually_exclusive_group()
+    kv.add_argument("--kv-tokens", type=int, help="KV-cache tokens per engine, every configuration")
+    kv.add_argument("--pressure", type=float, help="live context per engine / KV capacity (calibrated)")
     args = ap.parse_args(argv)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     for c in configs:
@@ -152,93 +247,145 @@ def main(argv=None):
             raise SystemExit(f"--configs: unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
     if args.engines < 1 or args.repeats < 1:
         raise SystemExit("--engines and --repeats must be >= 1")
+    if args.kv_tokens is not None and args.kv_tokens < args.max_len:
+        raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one --max-len {args.max_len} sequence; "
+                         "a real engine's KV always holds one max-length sequence")
+    if args.pressure is not None and not args.pressure > 0:
+        raise SystemExit("--pressure: must be > 0")
 
     import ray
     from transformers import AutoTokenizer
 
+    from war_openrlhf.baselines.openrlhf_rollout import start_openrlhf_engines, stop_openrlhf_engines
     from war_openrlhf.device import cuda_available
     from war_openrlhf.engine.actors import create_war_engines
-    from war_openrlhf.engine.config import EngineConfig
-    from war_openrlhf.rollout import load_agent_class
+    from war_openrlhf.rollout import RolloutConfig, load_agent_class
 
-    dataset, agent_file = load_task(args.task)
-    model = resolve_model(args.model)
-    per_engine = args.low_prompts if args.load == "low" else args.high_prompts
-    rows = dataset.generate(per_engine * args.engines, args.seed)
+    if args.workload.startswith("task:"):
+        dataset, agent_file = load_task(args.workload.split(":", 1)[1])
+        per_engine = args.low_prompts if args.load == "low" else args.high_prompts
+        rows = dataset.generate(per_engine * args.engines, args.seed)
+        n = args.n_samples
+        args.max_len = args.max_len or 1024
+        model = resolve_model(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        tool_text = "the task's own tools"
+    elif args.workload.startswith("traces:"):
+        rows, agent_file = load_traces(args.workload, args.split, args.max_groups, args.seed, args.tool_latency,
+                                       args.tool_jitter, args.per_env_token)
+        trials = {len(json.loads(r["label"])["trials"]) for r in rows}
+        n = min(trials)  # a GRPO group = the trials of one task
+        model = resolve_model(args.model, positions=32768)
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        longest = max(len(tokenizer.encode(r["prompt"])) + sum(t["lengths"]) +
+                      sum(len(tokenizer.encode(o)) for o in t["observations"])
+                      for r in rows for t in json.loads(r["label"])["trials"])
+        args.max_len = args.max_len or -(-(longest + 64) // 1024) * 1024
+        tool_text = (f"recorded steps, {args.tool_latency:g} s median x lognormal({args.tool_jitter:g})"
+                     f" + {args.per_env_token:g} s/env token, drawn once")
+    else:
+        raise SystemExit(f"--workload: {args.workload!r} is neither task:NAME nor traces:FILE")
     prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
-    n = args.n_samples
     cuda = cuda_available()
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
     agent_cls = load_agent_class(agent_file)
-    # CPU: logical CPUs for both engine sets (the WAR engines' placement group keeps its bundles)
-    ray.init(num_cpus=None if cuda else 2 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
+    ray.init(num_cpus=None if cuda else 4 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     dtype = "bfloat16" if cuda else "float32"
-    cfg_kwargs = dict(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=64,
-                      max_context_tokens=args.max_len, max_new_tokens_per_turn=args.max_len - 2,
-                      temperature=args.temperature, seed=None, progress=False,
-                      engine=dict(model=str(model), dtype=dtype, max_model_len=args.max_len,
-                                  enforce_eager=not cuda, num_speculative_tokens=args.num_speculative_tokens))
-    results = {c: [] for c in configs}
-    war_names = [c for c in configs if c in WAR_CONFIGS]
+    engine_kw = dict(model=str(model), dtype=dtype, max_model_len=args.max_len, enforce_eager=not cuda,
+                     num_speculative_tokens=args.num_speculative_tokens)
+    cfg_kwargs = dict(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=256,
+                      max_context_tokens=args.max_len, max_new_tokens_per_turn=None,
+                      temperature=args.temperature, seed=None, progress=False, stats_interval_s=0.25,
+                      engine=engine_kw)
     t_all = time.time()
-    if war_names:
-        from war_openrlhf.rollout import RolloutConfig
-
-        ecfg = RolloutConfig(**cfg_kwargs).engine
-        handles = create_war_engines(args.engines, ecfg, placement_group=True)
-        run_war(handles, cfg_kwargs, war_names[0], prompts[:args.engines], labels[:args.engines], 1, tokenizer,
-                agent_cls)  # warm-up
-        for r in range(args.repeats):
-            order = war_names[r % len(war_names):] + war_names[:r % len(war_names)]
-            for name in order:
-                out = run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
-                results[name].append(out)
-                print(f"  {name} run {r}: {out['tokens_per_s']:.0f} tok/s, {out['wall_s']:.1f} s", file=sys.stderr)
+    kv_tokens, calibration = args.kv_tokens, None
+    if args.pressure is not None:  # measure the live context with ample KV, then size every engine's KV
+        handles = create_war_engines(args.engines, RolloutConfig(**cfg_kwargs).engine, placement_group=True)
+        run_war(handles, cfg_kwargs, "war", prompts[:args.engines], labels[:args.engines], 1, tokenizer, agent_cls)
+        calibration = run_war(handles, cfg_kwargs, "war", prompts, labels, n, tokenizer, agent_cls)
         for h in handles:
             ray.get(h.shutdown.remote())
             ray.kill(h)
-    if "baseline" in configs:
-        from war_openrlhf.baselines.openrlhf_rollout import start_openrlhf_engines, stop_openrlhf_engines
+        live = len(prompts) * n / args.engines * calibration["final_context_tokens_mean"]
+        kv_tokens = max(args.max_len, int(live / args.pressure))
+    live_per_engine = None
+    if calibration is not None:
+        live_per_engine = len(prompts) * n / args.engines * calibration["final_context_tokens_mean"]
 
+    runners = {}
+    war_names = [c for c in configs if c in WAR_CONFIGS]
+    if war_names:
+        ecfg = RolloutConfig(**{**cfg_kwargs, "engine": {**engine_kw, "kv_capacity_tokens": kv_tokens}}).engine
+        handles = create_war_engines(args.engines, ecfg, placement_group=True)
+        run_war(handles, cfg_kwargs, war_names[0], prompts[:args.engines], labels[:args.engines], 1, tokenizer,
+                agent_cls)  # warm-up
+        for name in war_names:
+            runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
+                                                       agent_cls))
+    baseline_sets = []
+    for name, method in BASELINES.items():
+        if name not in configs:
+            continue
+        spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens} if method else None
         engines = start_openrlhf_engines(args.engines, model, agent_func_path=str(agent_file),
-                                         max_model_len=args.max_len, seed=0)
+                                         max_model_len=args.max_len, seed=0, kv_capacity_tokens=kv_tokens,
+                                         speculative_config=spec)
+        baseline_sets.append(engines)
         run_baseline(engines, prompts[:args.engines], labels[:args.engines], 1, tokenizer, args.max_len,
                      args.temperature)  # warm-up
-        for r in range(args.repeats):
-            out = run_baseline(engines, prompts, labels, n, tokenizer, args.max_len, args.temperature)
-            results["baseline"].append(out)
-            print(f"  baseline run {r}: {out['tokens_per_s']:.0f} tok/s, {out['wall_s']:.1f} s", file=sys.stderr)
+        runners[name] = (lambda engines=engines: run_baseline(engines, prompts, labels, n, tokenizer, args.max_len,
+                                                              args.temperature))
+    results = {c: [] for c in configs}
+    for r in range(args.repeats):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for name in order:
+            out = runners[name]()
+            results[name].append(out)
+            print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
+                  f"{out['generated_tokens']} tokens", file=sys.stderr, flush=True)
+    if war_names:
+        for h in handles:
+            ray.get(h.shutdown.remote())
+            ray.kill(h)
+    for engines in baseline_sets:
         stop_openrlhf_engines(engines)
     ray.shutdown()
 
-    def median_run(runs):
-        return sorted(runs, key=lambda x: x["tokens_per_s"])[len(runs) // 2]
-
-    summary = {c: median_run(results[c]) for c in configs if results[c]}
-    base = summary.get("baseline", {}).get("tokens_per_s")
-    for c, d in summary.items():
-        d["x_baseline"] = d["tokens_per_s"] / base if base else None
-        d["tokens_per_s_runs"] = [round(x["tokens_per_s"], 1) for x in results[c]]
+    base_step = statistics.median(r["step_s"] for r in results["openrlhf"]) if results.get("openrlhf") else None
+    summary = {c: _summarise(results[c], base_step) for c in configs if results[c]}
+    pressure = (live_per_engine / kv_tokens) if (live_per_engine and kv_tokens) else None
+    episodes_per_engine = len(prompts) * n / args.engines
+    regime = {"load": "low" if episodes_per_engine <= 4 else "high",  # low: <= 4 concurrent episodes/engine
+              "episodes_per_engine": episodes_per_engine,
+              "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text}
     out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(), "cuda": cuda,
-           "task": args.task, "engines": args.engines, "load": args.load, "prompts": len(prompts),
-           "n_samples": n, "episodes": len(prompts) * n, "model": str(model), "max_len": args.max_len,
+           "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
+           "model": str(model), "engines": args.engines,
+           "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
+           "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
            "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
-           "summary": summary, "runs": results}
+           "calibration": calibration, "configs": summary, "runs": results}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    print(f"\n### {args.task}, {args.engines} engines, load {args.load}: {len(prompts)} prompts x {n} samples "
-          f"= {len(prompts) * n} episodes (median of {args.repeats})\n")
-    print("| config | step s | tok/s | x baseline | prefix hit | tokens/engine step | accepted/draft | "
-          "speculating | mean reward |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    kv_text = "engines' default KV" if kv_tokens is None else f"KV {kv_tokens:,} tokens/engine"
+    print(f"\n### {args.workload}, {args.engines} engines, load {regime['load']} ({regime['episodes_per_engine']:g} "
+          f"episodes/engine), {kv_text}, pressure {f(pressure, '.2f')}, tools: {tool_text}, "
+          f"median of {args.repeats}\n")
+    print("| config | step s (spread) | x openrlhf | tok/s | tokens | turn p50/p99 s | prefix hit | preempt | "
+          "tok/verif step | acceptance | speculating | KV peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for c, d in summary.items():
-        def f(v, fmt):
-            return "n/a" if v is None else format(v, fmt)
-        print(f"| {c} | {d['wall_s']:.2f} | {d['tokens_per_s']:,.0f} | {f(d['x_baseline'], '.2f')} | "
-              f"{f(d.get('prefix_hit_rate'), '.3f')} | {f(d.get('tokens_per_engine_step'), '.2f')} | "
-              f"{f(d.get('mean_accepted_per_draft'), '.2f')} | {d.get('speculating_fraction', 'n/a')} | "
-              f"{f(d.get('mean_reward'), '.3f')} |")
+        lat = ("n/a" if d.get("turn_latency_p50_s") is None
+               else f"{d['turn_latency_p50_s']:.2f}/{d['turn_latency_p99_s']:.2f}")
+        print(f"| {c} | {d['step_s']:.2f} ({d['step_s_spread'][0]:.2f}-{d['step_s_spread'][1]:.2f}) | "
+              f"{f(d['x_openrlhf'], '.2f')} | {d['throughput_tok_s']:,.0f} | {d['generated_tokens']:,} | {lat} | "
+              f"{f(d.get('engine_prefix_hit_rate'), '.3f')} | {f(d.get('preemptions'), 'd')} | "
+              f"{f(d.get('tokens_per_verification_step'), '.2f')} | {f(d.get('acceptance'), '.2f')} | "
+              f"{d.get('speculating_fraction', 'n/a')} | {d.get('kv_usage_peak', 'n/a')} |")
     print(f"\nwrote {args.json}")
 
 

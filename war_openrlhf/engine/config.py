@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.85
     kv_cache_space_gib: float = 1.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
+    kv_capacity_tokens: int | None = None  # exact KV size (vLLM's num_gpu_blocks_override); None: by memory
     cpu_core: int | None = None  # CPU only: the core the engine's threads are bound to
     seed: int = 0
     num_speculative_tokens: int = 16
@@ -60,6 +61,11 @@ class EngineConfig:
         for name in ("max_model_len", "num_speculative_tokens", "sync_max_lag_records"):
             check_int("EngineConfig", name, getattr(self, name), 1)
         check_int("EngineConfig", "cpu_core", self.cpu_core, 0, nullable=True)
+        check_int("EngineConfig", "kv_capacity_tokens", self.kv_capacity_tokens, 1, nullable=True)
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < self.max_model_len:
+            raise ValueError(f"EngineConfig.kv_capacity_tokens: {self.kv_capacity_tokens} cannot hold one "
+                             f"max_model_len={self.max_model_len} sequence; a vLLM engine's KV always holds one "
+                             "(raise it, or lower max_model_len)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space_gib > 0:

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..device import cuda_available
+from ..device import cuda_available, kv_blocks_for
 from ..speculation.log import LogEntry
 from .config import EngineConfig, check_startup
 from .launch import cpu_engine_env
@@ -56,6 +56,7 @@ class _SchedulerStatsLogger:
             "prompt_tokens": 0,
             "generation_tokens": 0,
             "steps": 0,
+            "preemptions": 0,
         }
         self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
 
@@ -78,6 +79,7 @@ class _SchedulerStatsLogger:
                 t["spec_accepted_tokens"] += sd.num_accepted_tokens
             t["steps"] += 1
         if iteration_stats is not None:
+            t["preemptions"] += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
             t["prompt_tokens"] += iteration_stats.num_prompt_tokens
             t["generation_tokens"] += iteration_stats.num_generation_tokens
 
@@ -133,6 +135,8 @@ class WarEngine:
         )
         if self.cuda:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        if cfg.kv_capacity_tokens is not None:  # a stated KV-pressure regime: the same size on every engine
+            kwargs["num_gpu_blocks_override"] = kv_blocks_for(cfg.kv_capacity_tokens, self.cuda)
         if cfg.speculation == "vllm_suffix":
             kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": cfg.num_speculative_tokens}
             if self._openrlhf_worker:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 #: Running totals an engine reports (monotonic between resets); differences of two
 #: snapshots give a batch's figures (:meth:`EngineStats.minus`).
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "spec_drafts", "spec_draft_tokens",
-            "spec_accepted_tokens", "prompt_tokens", "generation_tokens", "steps")
+            "spec_accepted_tokens", "prompt_tokens", "generation_tokens", "steps", "preemptions")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    preemptions: int = 0  # requests vLLM preempted (KV full): their KV is recomputed
     spec_step_fraction: float | None = None  # engine steps that drafted (the WAR switch), None: no switch
     index_applied_seq: int | None = None  # last log entry the engine's index replica applied
     index_owner: str | None = None  # the pool whose log the replica follows

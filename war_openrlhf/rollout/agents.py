@@ -10,6 +10,12 @@ is no second, native API: this one is already minimal.
 ``step`` returns ``rewards``, ``scores``, ``environment_feedback``, ``done``,
 ``sampling_params`` and ``extra_logs``; :func:`check_step_result` validates that dict and
 names a missing or malformed key.
+
+``sampling_params`` (from ``step``, or from ``reset`` for the first turn) is a dict in the
+pool, where ``temperature`` / ``top_p`` change the sampling of later turns and
+:data:`TURN_LIMIT_KEYS` bound the *next* turn only (an environment replaying recorded turn
+lengths sets ``max_tokens = min_tokens = L`` with ``ignore_eos``); the context budget still
+applies. :func:`turn_limits` validates them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,27 @@ from pathlib import Path
 from typing import Any, Mapping
 
 REQUIRED_STEP_KEYS = ("rewards", "environment_feedback", "done")
+#: Keys of an environment's ``sampling_params`` that bound its next turn.
+TURN_LIMIT_KEYS = ("max_tokens", "min_tokens", "ignore_eos")
+
+
+def turn_limits(params: Any, where: str) -> dict[str, Any]:
+    """The next-turn bounds in an environment's ``sampling_params`` (``{}`` if none)."""
+    if not isinstance(params, Mapping):
+        return {}
+    out: dict[str, Any] = {}
+    for key in ("max_tokens", "min_tokens"):
+        if key in params and params[key] is not None:
+            v = params[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if key == "max_tokens" else 0):
+                raise ValueError(f"{where} returned sampling_params.{key} = {v!r}: expected an int "
+                                 f">= {1 if key == 'max_tokens' else 0}")
+            out[key] = v
+    if "ignore_eos" in params:
+        if not isinstance(params["ignore_eos"], bool):
+            raise ValueError(f"{where} returned sampling_params.ignore_eos = {params['ignore_eos']!r}: expected a bool")
+        out["ignore_eos"] = params["ignore_eos"]
+    return out
 
 
 def load_agent_class(agent_func_path: str | Path) -> type:

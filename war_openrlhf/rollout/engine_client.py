@@ -66,6 +66,7 @@ class EngineClient:
         self.log_sent = 0
         self.sync_errors = 0  # index log pushes the engine refused (not a dead actor)
         self.last_sync_error: str | None = None
+        self.peak_kv_usage = 0.0  # highest KV-cache usage seen in a stats report (reset it per batch)
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
 
@@ -105,6 +106,7 @@ class EngineClient:
                 pass
             else:
                 self.last_stats = EngineStats.from_wire(wire)
+                self.peak_kv_usage = max(self.peak_kv_usage, self.last_stats.kv_cache_usage)
                 if self.last_stats.kv_capacity_tokens:
                     self.kv_capacity_tokens = self.last_stats.kv_capacity_tokens
         return replace(self.last_stats, engine=self.index, healthy=self.healthy, error=self.error)

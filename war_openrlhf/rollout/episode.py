@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, Protocol, Sequence
 
-from .agents import check_step_result
+from .agents import check_step_result, turn_limits
 from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
 
@@ -85,7 +85,10 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         raise ValueError("reset() must return a dict with a str 'observation'")
     observation_text = reset["observation"]
     tokens = _encode(tokenizer, observation_text)
-    room = cfg.max_context_tokens - min(cfg.turn_token_cap, cfg.max_context_tokens - 1)
+    # room for one turn, as OpenRLHF's executor leaves it (its max_new_tokens, or 1 token when the
+    # context alone bounds a turn)
+    reserve = cfg.max_new_tokens_per_turn if cfg.max_new_tokens_per_turn is not None else 1
+    room = cfg.max_context_tokens - min(reserve, cfg.max_context_tokens - 1)
     if len(tokens) > room:
         if cfg.prompt_overflow == "end":
             traj.token_ids, traj.action_mask, traj.logprobs = list(tokens), [0] * len(tokens), [0.0] * len(tokens)
@@ -101,13 +104,19 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
     traj.action_mask = [0] * len(tokens)
     traj.logprobs = [0.0] * len(tokens)
     sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p}
+    limits = turn_limits(reset.get("sampling_params"), "reset()")  # the environment may bound a turn
     generated = 0
     for turn in range(cfg.max_turns):
         budget = cfg.max_context_tokens - len(traj.token_ids)
         if budget <= 0:
             traj.end_reason = "max_context"
             return
-        params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget), logprobs=0)
+        params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget, limits.get("max_tokens", budget)),
+                      logprobs=0)
+        if "min_tokens" in limits:
+            params["min_tokens"] = min(limits["min_tokens"], params["max_tokens"])
+        if "ignore_eos" in limits:
+            params["ignore_eos"] = limits["ignore_eos"]
         seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
         if seed is not None:
             params["seed"] = seed
@@ -165,6 +174,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         new_params = step["sampling_params"]
         if isinstance(new_params, dict):
             sampling.update({k: v for k, v in new_params.items() if k in ("temperature", "top_p")})
+        limits = turn_limits(new_params, "step()")
         if step["done"]:
             traj.end_reason = "done"
             return

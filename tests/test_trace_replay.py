@@ -1,0 +1,169 @@
+"""Trace-shaped workloads (examples/trace_replay): rows built from recorded trajectories, and their
+replay on real engines with every turn at its recorded length, through the WAR pool and through
+OpenRLHF's own executor (the same agent file), so that every configuration does the same work."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+REAL_TRACES = ROOT.parent / "shared" / "traces" / "tau_airline_dev.json"
+AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
+MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
+
+
+def _dataset():
+    spec = importlib.util.spec_from_file_location("trace_replay_dataset", ROOT / "examples" / "trace_replay" / "dataset.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trace_file(tmp_path: Path, tasks: int = 4, trials: int = 2) -> Path:
+    """A small tau-format trace file: each trial calls a tool once or twice, then answers."""
+    records = []
+    for task in range(tasks):
+        for trial in range(trials):
+            msgs = [{"role": "system", "content": "You are a booking agent."},
+                    {"role": "user", "content": f"Change my flight number {task}."}]
+            for k in range(1 + (task + trial) % 2):
+                call = {"id": f"c{task}{trial}{k}", "type": "function",
+                        "function": {"name": "lookup", "arguments": json.dumps({"id": task * 10 + k})}}
+                msgs.append({"role": "assistant", "content": "Let me check" + " please" * trial, "tool_calls": [call]})
+                msgs.append({"role": "tool", "tool_call_id": call["id"], "name": "lookup",
+                             "content": f"flight {task}{k} on time" + ", gate B" * k})
+            msgs.append({"role": "assistant", "content": f"Done with task {task}."})
+            records.append({"task_id": task, "trial": trial, "reward": 1.0, "traj": msgs})
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_rows_hold_recorded_lengths_observations_and_fixed_delays(tmp_path):
+    ds = _dataset()
+    from war_openrlhf.traces import load_chat_traces, qwen25_tokenizer, tokenize_traces
+
+    path = _trace_file(tmp_path)
+    rows = ds.generate_from_traces(path, split="all", seed=3, tool_latency_s=0.1, jitter_sigma=0.5)
+    assert len(rows) == 4
+    recorded = {t.trajectory_id: [len(turn.response_token_ids) for turn in t.turns]
+                for t in tokenize_traces(load_chat_traces(path), qwen25_tokenizer())}
+    for row in rows:
+        label = json.loads(row["label"])
+        assert row["prompt"].endswith("<|im_start|>assistant\n") and "Change my flight" in row["prompt"]
+        for trial in label["trials"]:
+            assert trial["lengths"] == recorded[f"task{label['task']}/trial{trial['trial']}"]
+            assert len(trial["observations"]) == len(trial["lengths"]) - 1 == len(trial["delays"]) - 1
+            assert all("on time" in o and o.endswith("<|im_start|>assistant\n") for o in trial["observations"])
+            assert all(d > 0 for d in trial["delays"][:-1])
+    again = ds.generate_from_traces(path, split="all", seed=3, tool_latency_s=0.1, jitter_sigma=0.5)
+    other = ds.generate_from_traces(path, split="all", seed=4, tool_latency_s=0.1, jitter_sigma=0.5)
+    assert again == rows and other != rows  # delays drawn once per seed: every configuration waits alike
+
+
+def test_split_halves_are_disjoint_and_cover_every_task(tmp_path):
+    ds = _dataset()
+    path = _trace_file(tmp_path, tasks=12)
+    tune = {json.loads(r["label"])["task"] for r in ds.generate_from_traces(path, split="tune")}
+    report = {json.loads(r["label"])["task"] for r in ds.generate_from_traces(path, split="report")}
+    assert tune and report and not tune & report and tune | report == set(range(12))
+    with pytest.raises(ValueError, match="split: 'half'"):
+        ds.generate_from_traces(path, split="half")
+    with pytest.raises(ValueError, match="tool_latency_s: must be a finite number >= 0"):
+        ds.generate_from_traces(path, tool_latency_s=float("nan"))
+
+
+@pytest.mark.skipif(not REAL_TRACES.is_file(), reason=f"real trace file not found at {REAL_TRACES}")
+def test_the_shared_tau_traces_split_into_two_halves_of_the_tasks():
+    ds = _dataset()
+    tune = ds.generate_from_traces(REAL_TRACES, split="tune")
+    report = ds.generate_from_traces(REAL_TRACES, split="report")
+    assert len(tune) + len(report) == 35 and min(len(tune), len(report)) >= 14
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ray = pytest.importorskip("ray")
+    from war_openrlhf.engine.actors import create_war_engines
+    from war_openrlhf.engine.config import EngineConfig
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    model = build_tiny_model(MODEL_DIR)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    cfg = EngineConfig(model=str(model), dtype="float32", max_model_len=1024, enforce_eager=True,
+                       speculation="auto", num_speculative_tokens=4, kv_capacity_tokens=4096)
+    handles = create_war_engines(1, cfg, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    try:
+        yield model, handles
+    finally:
+        for h in handles:
+            ray.get(h.shutdown.remote())
+        ray.shutdown()
+
+
+def test_the_war_pool_replays_every_turn_at_its_recorded_length(engines, tmp_path):
+    import ray
+
+    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
+
+    model, handles = engines
+    stats = ray.get(handles[0].stats.remote())
+    assert stats["kv_capacity_tokens"] >= 4096  # the stated KV size, in whole 128-token blocks
+    rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
+    cfg = RolloutConfig(num_engines=1, engine={"model": str(model), "max_model_len": 1024},
+                        agent_func_path=str(AGENT), max_context_tokens=1024, max_new_tokens_per_turn=None,
+                        progress=False, max_turns=16)
+    pool = RolloutPool(cfg, handles, agent_cls=load_agent_class(AGENT))
+    res = pool.run_batch([r["prompt"] for r in rows], [r["label"] for r in rows], n_samples_per_prompt=2)
+    assert res.end_reasons == {"done": 8}
+    got = sorted(tuple(len(range(t.start, t.end)) for t in traj.turns) for traj in res.trajectories)
+    want = sorted(tuple(tr["lengths"]) for r in rows for tr in json.loads(r["label"])["trials"])
+    assert got == want  # each sample replayed one trial, each turn exactly its recorded length
+    for traj in res.trajectories:
+        text = pool.tokenizer.decode(traj.token_ids)
+        assert text.count("on time") == len(traj.turns) - 1  # the recorded observations came back
+
+
+def test_openrlhfs_executor_replays_the_same_lengths(engines, tmp_path):
+    """OpenRLHF's own path on the same rows: the same tokens per trial, so step times compare."""
+    from war_openrlhf.baselines.openrlhf_rollout import (run_openrlhf_rollout, start_openrlhf_engines,
+                                                         stop_openrlhf_engines)
+    from transformers import AutoTokenizer
+
+    model, _ = engines
+    rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
+    base = start_openrlhf_engines(1, model, agent_func_path=AGENT, max_model_len=1024, kv_capacity_tokens=4096)
+    try:
+        exps, st = run_openrlhf_rollout(base, [r["prompt"] for r in rows], [r["label"] for r in rows],
+                                        tokenizer=AutoTokenizer.from_pretrained(str(model)), n_samples_per_prompt=2,
+                                        max_new_tokens=None, max_len=1024, temperature=1.0)
+    finally:
+        stop_openrlhf_engines(base)
+    want = sum(sum(tr["lengths"]) for r in rows for tr in json.loads(r["label"])["trials"])
+    assert st["trajectories"] == 8 and st["action_tokens"] == want
+
+
+def test_turn_limits_and_kv_size_are_validated():
+    from war_openrlhf.engine.config import EngineConfig
+    from war_openrlhf.rollout.agents import turn_limits
+
+    assert turn_limits({"max_tokens": 7, "min_tokens": 7, "ignore_eos": True, "temperature": 0.5}, "step()") == \
+        {"max_tokens": 7, "min_tokens": 7, "ignore_eos": True}
+    assert turn_limits(None, "step()") == {} and turn_limits({"temperature": 1.0}, "reset()") == {}
+    with pytest.raises(ValueError, match=r"step\(\) returned sampling_params.max_tokens = 0"):
+        turn_limits({"max_tokens": 0}, "step()")
+    with pytest.raises(ValueError, match="ignore_eos"):
+        turn_limits({"ignore_eos": "yes"}, "reset()")
+    with pytest.raises(ValueError, match="kv_capacity_tokens: 1000 cannot hold one max_model_len=2048"):
+        EngineConfig(max_model_len=2048, kv_capacity_tokens=1000)
