@@ -1,12 +1,19 @@
 """Real-engine rollout benchmark: OpenRLHF 0.11.2's own rollout path vs the WAR pool and its peers.
 
-    python tools/bench_rollout.py --task arithmetic_calculator --engines 2 --load low --model peaked \
-        --repeats 3 --json results/bench_rollout_low.json
-    python tools/bench_rollout.py --task arithmetic_calculator --engines 2 --load high --pressure 2 \
-        --model peaked --repeats 3 --json results/bench_rollout_high_p2.json
+    python tools/bench_rollout.py --workload traces:../shared/traces/tau_airline_dev.json --split report \
+        --max-groups 4 --engines 2 --repeats 3 --pressure 2 --json results/bench_rollout_traces_report_p2.json
+    python tools/bench_rollout.py --workload task:arithmetic_calculator --engines 2 --load low --model random \
+        --repeats 3 --json results/bench_rollout_arith_low.json
 
-One process, the same prompts (the task's ``dataset.generate(n, seed)``), the same model, the
-same engine count and the same KV size for every configuration; one synchronous rollout step per
+Workloads (``--workload``): ``traces:FILE`` replays recorded agent trajectories
+(``examples/trace_replay``: every turn at its recorded length, recorded observations, tool
+latencies drawn once), so every configuration generates exactly the same tokens; a GRPO group
+is a task's trials; ``--split tune|report`` picks half the tasks (tune on one, report the
+other). ``task:NAME`` runs an example task with the model's own turns (token counts then differ
+between configurations: compare tok/s).
+
+One process, the same prompts, the same model, the same engine count and the same KV size for
+every configuration; one synchronous rollout step per
 run (all episodes start together; the step ends when the last one ends); every configuration
 ``--repeats`` times in rotating order (all engine sets stay up, only one runs at a time).
 
