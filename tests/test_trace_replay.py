@@ -167,3 +167,18 @@ def test_turn_limits_and_kv_size_are_validated():
         turn_limits({"ignore_eos": "yes"}, "reset()")
     with pytest.raises(ValueError, match="kv_capacity_tokens: 1000 cannot hold one max_model_len=2048"):
         EngineConfig(max_model_len=2048, kv_capacity_tokens=1000)
+
+
+def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
+    import subprocess
+
+    def run(*argv):
+        return subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--json",
+                               str(tmp_path / "o.json"), *argv], capture_output=True, text=True, timeout=300)
+
+    out = run("--workload", "task:arithmetic_calculator", "--model", "random", "--kv-tokens", "100")
+    assert out.returncode != 0 and "--kv-tokens: 100 cannot hold one 1024-token episode" in out.stderr
+    out = run("--workload", "bogus")
+    assert out.returncode != 0 and "--workload: 'bogus' is neither task:NAME nor traces:FILE" in out.stderr
+    out = run("--configs", "war,fastest")
+    assert out.returncode != 0 and "unknown configuration 'fastest'" in out.stderr

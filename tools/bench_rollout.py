@@ -254,9 +254,6 @@ def main(argv=None):
             raise SystemExit(f"--configs: unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
     if args.engines < 1 or args.repeats < 1:
         raise SystemExit("--engines and --repeats must be >= 1")
-    if args.kv_tokens is not None and args.kv_tokens < args.max_len:
-        raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one --max-len {args.max_len} sequence; "
-                         "a real engine's KV always holds one max-length sequence")
     if args.pressure is not None and not args.pressure > 0:
         raise SystemExit("--pressure: must be > 0")
 
@@ -293,6 +290,9 @@ def main(argv=None):
     else:
         raise SystemExit(f"--workload: {args.workload!r} is neither task:NAME nor traces:FILE")
     prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
+    if args.kv_tokens is not None and args.kv_tokens < args.max_len:
+        raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one {args.max_len}-token episode (--max-len); "
+                         "a real engine's KV always holds one max-length sequence")
     cuda = cuda_available()
     agent_cls = load_agent_class(agent_file)
     ray.init(num_cpus=None if cuda else 4 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
