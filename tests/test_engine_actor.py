@@ -14,10 +14,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from war_openrlhf.engine.config import EngineConfig, check_startup  # noqa: E402
 from war_openrlhf.engine.engine import WarEngine  # noqa: E402

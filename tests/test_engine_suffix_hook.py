@@ -38,14 +38,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Before vLLM is imported (engines read these in their own processes too).
+# Before vLLM is imported (engines read these in their own processes too; the rest: conftest.py).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2 shared cores: no pinning
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engine processes must import war_openrlhf (the worker extension) from any cwd.
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 from war_openrlhf.engine.rpc import (  # noqa: E402
     EXTRA_ARGS_KEY,

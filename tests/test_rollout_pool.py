@@ -15,10 +15,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.rollout import (RolloutConfig, RolloutPool, check_step_result, load_agent_class,  # noqa: E402
@@ -275,6 +271,30 @@ def test_example_task_episode_end_to_end(pool, task):
         assert t.extra_logs["turns"] == len(t.turns)
 
 
+def test_an_engine_refusing_log_entries_is_counted_and_reattached(pool):
+    """The replica of engine 0 is reset behind the pool's back: its next entries leave a gap and
+    are refused. The batch's rollouts are unaffected, the refusal is counted, and the next batch
+    re-attaches the replica so that it follows the log again."""
+    import ray
+
+    pool.run_batch(["before"], ["ok"], n_samples_per_prompt=2)
+    victim = pool.engines[0]
+    assert victim.log_sent > 0 and victim.sync_errors == 0
+    ray.get(victim.handle.reset_index.remote(pool.pool_id, 0))
+    res = pool.run_batch(["during"], ["ok"], n_samples_per_prompt=2)
+    assert res.end_reasons == {"done": 2}
+    assert victim.sync_errors >= 1 and "expected entry 1" in victim.last_sync_error
+    pool.run_batch(["after"], ["ok"], n_samples_per_prompt=2)
+    assert victim.last_sync_error is None
+    assert asyncio.run(pool.engine_stats())[0].index_applied_seq == pool.log.last_seq
+
+
+def test_a_pool_refuses_objects_that_are_not_engines(pool):
+    with pytest.raises(ValueError, match=r"engines\[1\]: a str is not an engine \(no generate_tokens, push_log"):
+        RolloutPool(pool.config, [pool.engines[0].handle, "engine-1"], tokenizer=pool.tokenizer,
+                    agent_cls=pool.agent_cls)
+
+
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):
     """Runs last: it kills engine 1 of the shared pool."""
     import ray
@@ -290,9 +310,10 @@ def test_engine_killed_mid_batch_loses_no_trajectory(pool):
         ray.kill(victim.handle, no_restart=True)
         return await task
 
+    refused = [e.sync_errors for e in pool.engines]
     res = asyncio.run(scenario())
     # the sibling pools of earlier tests took the engines' replicas: this pool re-attached them
-    assert all(e.sync_errors == 0 for e in pool.engines), [e.last_sync_error for e in pool.engines]
+    assert [e.sync_errors for e in pool.engines] == refused, [e.last_sync_error for e in pool.engines]
     assert len(res.trajectories) == 12
     assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
     assert not victim.healthy and res.redispatched_turns >= 1

@@ -14,9 +14,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 REAL_TRACES = ROOT.parent / "shared" / "traces" / "tau_airline_dev.json"
 AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))

@@ -55,6 +55,7 @@ name in the engine core: importing it must stay light (torch only; no OpenRLHF, 
 DeepSpeed import).
 """
 
+from . import flash_attn_shim
 from .flash_attn_shim import (
     all_gather,
     all_gather_raw,
@@ -80,14 +81,6 @@ __all__ = [
     "OPENRLHF_WORKER_WRAP",
     "CPU_WORKER_EXTENSION",
     "SETUP_HOOK",
-    "index_first_axis",
-    "index_put_first_axis",
-    "index_first_axis_residual",
-    "unpad_input",
-    "pad_input",
-    "unpad_input_for_concatenated_sequences",
-    "all_gather_raw",
-    "reduce_scatter_raw",
-    "all_gather",
-    "reduce_scatter",
+    # the flash-attn stand-in's helpers (its installer stays internal: apply_cpu_support calls it)
+    *(name for name in flash_attn_shim.__all__ if name != "install_flash_attn_shim"),
 ]

@@ -14,7 +14,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from ..dispatch import EngineState
 from ..engine.stats import EngineStats
 
-__all__ = ["EngineHandle", "EngineClient", "EngineDead", "actor_died"]
+__all__ = ["ENGINE_METHODS", "EngineHandle", "EngineClient", "EngineDead", "actor_died"]
 
 #: KV capacity assumed until an engine reports its own.
 UNKNOWN_KV_TOKENS = 1 << 40
@@ -35,6 +35,10 @@ class EngineHandle(Protocol):
     async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]: ...
 
     async def stats(self) -> dict[str, Any]: ...
+
+
+#: The methods of :class:`EngineHandle` (for error messages).
+ENGINE_METHODS = ("generate_tokens", "push_log", "flush_log", "reset_index", "stats")
 
 
 class EngineDead(RuntimeError):
@@ -66,7 +70,7 @@ class EngineClient:
         self.log_sent = 0
         self.sync_errors = 0  # index log pushes the engine refused (not a dead actor)
         self.last_sync_error: str | None = None
-        self.peak_kv_usage = 0.0  # highest KV-cache usage seen in a stats report (reset it per batch)
+        self.peak_kv_usage = 0.0  # highest KV-cache usage in a stats report this batch (the pool resets it)
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
 
@@ -112,6 +116,13 @@ class EngineClient:
         return replace(self.last_stats, engine=self.index, healthy=self.healthy, error=self.error)
 
     # ------------------------------------------------------------------ state
+    def sync_failed(self, exc: BaseException) -> None:
+        """The engine refused index-log entries (not a dead actor): count it; the pool re-attaches
+        the engine's replica at its next batch and skips it until then."""
+        self.sync_errors += 1
+        cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the engine's own exception
+        self.last_sync_error = f"{type(cause).__name__}: {cause}"[:500]
+
     def mark_dead(self, exc: BaseException) -> None:
         if self.healthy:
             self.healthy = False

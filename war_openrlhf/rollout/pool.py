@@ -40,7 +40,7 @@ from ..engine.stats import EngineStats
 from ..speculation import CompletedSequence, CompletedSequenceLog
 from .agents import load_agent_class
 from .config import RolloutConfig
-from .engine_client import EngineClient, EngineDead
+from .engine_client import ENGINE_METHODS, EngineClient, EngineDead, EngineHandle
 from .episode import run_episode
 from .trajectory import Trajectory
 
@@ -86,6 +86,11 @@ class RolloutPool:
                  agent_cls: type | None = None, policy: DispatchPolicy | None = None) -> None:
         if not engines:
             raise ValueError("engines: a pool needs at least one engine")
+        for i, handle in enumerate(engines):
+            if not isinstance(handle, EngineHandle):
+                missing = [m for m in ENGINE_METHODS if not hasattr(handle, m)]
+                raise ValueError(f"engines[{i}]: a {type(handle).__name__} is not an engine (no "
+                                 f"{', '.join(missing)}); pass WarEngine objects or their Ray actor handles")
         self.config = config
         self.engines = [EngineClient(i, h) for i, h in enumerate(engines)]
         if policy is None:
@@ -215,7 +220,7 @@ class RolloutPool:
             except EngineDead:
                 pass
             except Exception as exc:  # noqa: BLE001 - reported, and repaired at the next batch
-                self._sync_failed(e, exc)
+                e.sync_failed(exc)
         if flush:
             for e in self.engines:
                 if e.healthy and not e.last_sync_error:
@@ -224,23 +229,18 @@ class RolloutPool:
                     except EngineDead:
                         pass
                     except Exception as exc:  # noqa: BLE001
-                        self._sync_failed(e, exc)
+                        e.sync_failed(exc)
         alive = [e.log_sent for e in self.engines if e.healthy and not e.last_sync_error]
         if alive and min(alive) > self.log.first_seq:
             self.log.truncate(min(alive))
 
-    @staticmethod
-    def _sync_failed(e: EngineClient, exc: BaseException) -> None:
-        e.sync_errors += 1
-        e.last_sync_error = f"{type(exc).__name__}: {exc}"[:500]
-
-    async def _attach_indexes(self) -> None:
+    async def _attach_indexes(self, stats: Sequence[EngineStats]) -> None:
         """Make every healthy engine's replica follow this pool's log: engines never attached,
-        taken over by another pool since (``index_owner``), or that refused entries start afresh
-        at the log's first retained entry."""
+        taken over by another pool since (``index_owner`` in ``stats``), or that refused entries
+        start afresh at the log's first retained entry."""
         if self.config.engine.speculation == "vllm_suffix":
             return
-        for e, stats in zip(self.engines, await self.engine_stats()):
+        for e, stats in zip(self.engines, stats):
             if not e.healthy or (stats.index_owner == self.pool_id and not e.last_sync_error):
                 continue
             try:
@@ -293,8 +293,9 @@ class RolloutPool:
         b = self._batch_index
         self._batch_index += 1
         self.policy.start_batch()
-        await self._attach_indexes()
-        await self.engine_stats()  # KV capacities for the dispatcher
+        for e in self.engines:
+            e.peak_kv_usage = 0.0
+        await self._attach_indexes(await self.engine_stats())  # the stats also give the dispatcher KV capacities
         self._redispatched = self._deferrals = 0
         turns0 = [e.turns for e in self.engines]
         t0 = time.perf_counter()
