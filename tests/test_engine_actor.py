@@ -122,6 +122,29 @@ def test_log_entries_reach_the_replica_within_the_lag_bound(engine):
     assert done["war"]["index"]["applied_seq"] == stats0 + 1 and done["sync_lag_records"] == 0
 
 
+def test_a_burst_of_records_reaching_a_busy_engine_is_applied_between_steps_in_slices(engine):
+    """Records pushed while the engine decodes are queued in the replica and applied a
+    bounded slice per step (before drafting), not in one stall; all of them land."""
+    import ray
+
+    applied0 = _totals(engine)["war"]["index"]["applied_seq"]
+    rng = np.random.default_rng(0)
+    log = CompletedSequenceLog(start_seq=applied0)
+    for i in range(120):  # ~60k tokens: many slices of apply_budget_ms at any CPU speed
+        log.append(CompletedSequence.create(f"burst{i}", "gb", 0, [1, 2], rng.integers(5, 500, 500).tolist()))
+    steps0 = _totals(engine)["war"]["step_trace"]["apply_steps"]
+    running = engine.generate_tokens.remote(PROMPTS[0], dict(temperature=0.0, max_tokens=1000, ignore_eos=True))
+    time.sleep(0.5)  # the request is decoding
+    ray.get(engine.push_log.remote(log.read(applied0)))
+    ray.get(engine.flush_log.remote())
+    busy = _totals(engine)["war"]
+    ray.get(running)
+    done = _totals(engine)["war"]
+    assert busy["index"]["pending_entries"] > 0  # queued on the busy engine, not applied in one go
+    assert done["index"]["applied_seq"] == log.last_seq  # everything landed
+    assert done["step_trace"]["apply_steps"] - steps0 >= 2  # spread over steps
+
+
 def test_forced_off_proposes_nothing_and_on_proposes_again(engine):
     import ray
 

@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -50,6 +52,16 @@ def _one_thread():
 def tokenizer(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", **tiny_policy.DEFAULT_MODEL)
     return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def word_split_tokenizer(tmp_path_factory):
+    from war_openrlhf.fixtures.tiny_model import write_tokenizer
+
+    out = tmp_path_factory.mktemp("wordsplit")
+    write_tokenizer(out, ["SELECT name FROM products WHERE city = 'Oslo'", "Question: how many?"] * 20, 400, 512,
+                    split_words=True)
+    return transformers.AutoTokenizer.from_pretrained(str(out))
 
 
 def _runs(mask):
@@ -147,6 +159,16 @@ def test_build_is_loadable_idempotent_and_rebuilds_on_spec_change(tmp_path, monk
     tok = transformers.AutoTokenizer.from_pretrained(str(path))
     assert model.config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.config.vocab_size == len(tok)
+    # the tasks' own tokenizer: a value is the same tokens in a question and in a call
+    def enc(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    for value in ("Oslo", "Fjell Camp Stove", "2023", "customers"):
+        inner = enc(value)
+        for around in (f"Question: in {value}?", f"WHERE city = '{value}'", f'{{"query": "{value}"}}'):
+            ids_ = enc(around)
+            assert any(ids_[i : i + len(inner)] == inner for i in range(len(ids_))), (value, around)
+    assert len(enc("SELECT COUNT(*) FROM customers")) <= 12  # keywords and names are whole tokens
     ids = tok("<tool_call>", add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
@@ -166,6 +188,13 @@ def test_build_is_loadable_idempotent_and_rebuilds_on_spec_change(tmp_path, monk
     changed = {**SMALL, "steps": SMALL["steps"] + 1}
     assert build_tiny_policy(out, **changed) == path
     assert read_manifest(path)["spec"]["train"]["steps"] == changed["steps"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60))
+def test_word_split_tokenizer_round_trips_any_text(word_split_tokenizer, text):
+    ids = word_split_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert word_split_tokenizer.decode(ids) == text
 
 
 def test_build_is_deterministic(tmp_path):

@@ -2,7 +2,8 @@
 """Micro-benchmarks of the global suffix index (one replica, this machine).
 
   insertion      tokens/s a replica applies from the log (turn records of real traces)
-  speculate      latency per call, p50/p99, inside a decode loop (a turn drafts, the
+  speculate      latency per call (the engine's path, ``speculate_engine``), p50/p99, inside
+                 a decode loop (a turn drafts, the
                  accepted tokens are appended, it drafts again, to the turn's end),
                  index pre-filled with every turn of the traces
   replication    time for one completed trajectory to reach 8 replicas (log append +
@@ -75,7 +76,7 @@ def bench_speculate(replica, trajs, k, calls, seed):
         while pos < resp.size:
             ctx = np.concatenate([turn.context_token_ids[-64:], resp[:pos]])
             t0 = time.perf_counter_ns()
-            d = replica.speculate(rid, ctx, k)
+            d = replica.speculate_engine(rid, ctx, k)
             lat.append((time.perf_counter_ns() - t0) / 1e3)
             drafted += len(d.token_ids) > 0
             accepted = 0

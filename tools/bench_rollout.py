@@ -2,8 +2,8 @@
 
     python tools/bench_rollout.py --workload traces:../shared/traces/tau_airline_dev.json --split report \
         --max-groups 4 --engines 2 --repeats 3 --pressure 2 --json results/bench_rollout_traces_report_p2.json
-    python tools/bench_rollout.py --workload task:arithmetic_calculator --engines 2 --load low --model random \
-        --repeats 3 --json results/bench_rollout_arith_low.json
+    python tools/bench_rollout.py --workload task:sql_qa --engines 2 --load low \
+        --repeats 3 --json results/bench_rollout_sql_low.json
 
 Workloads (``--workload``): ``traces:FILE`` replays recorded agent trajectories
 (``examples/trace_replay``: every turn at its recorded length, recorded observations, tool
@@ -38,8 +38,11 @@ step (``war``, ample KV) measures the episodes' final context length first. The 
 the regime. Loads: ``low`` = ``--low-prompts`` prompts per engine, ``high`` = ``--high-prompts``
 (x ``--n-samples`` episodes each).
 
-Model (``--model``): ``random`` (random-init tiny Llama), ``peaked`` (the same with a sharpened
-output layer, ~1 nat/token: text that can be drafted), or a model directory. On a CUDA machine
+Model (``--model``): ``policy`` (the default for ``task:``: the tiny Llama trained as an agent
+on the example tasks, :mod:`war_openrlhf.fixtures.tiny_policy`; tool-call JSON and echoed
+values, turns that end with EOS), ``random`` (random-init tiny Llama), ``peaked`` (the default
+for ``traces:``: random with a sharpened output layer, ~1 nat/token; the recorded lengths are
+forced, so only the drafting statistics depend on the text), or a model directory. On a CUDA machine
 the same command runs CUDA vLLM engines (``openrlhf_vllm_suffix`` and ``--kv-tokens`` need the
 CPU path of the baseline; see ``start_openrlhf_engines``).
 """
@@ -100,6 +103,10 @@ def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_l
 def resolve_model(arg: str, positions: int = 2048) -> Path:
     from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
+    if arg == "policy":
+        from war_openrlhf.fixtures.tiny_policy import DEFAULT_PATH, build_tiny_policy
+
+        return build_tiny_policy(DEFAULT_PATH)  # built once (about 4 minutes), then reused
     if arg == "random":
         return build_tiny_model(ROOT / ".cache" / "war_tiny_llama")
     if arg == "peaked":
@@ -109,7 +116,7 @@ def resolve_model(arg: str, positions: int = 2048) -> Path:
                                 max_position_embeddings=positions)
     p = Path(arg)
     if not (p / "config.json").is_file():
-        raise SystemExit(f"--model: {arg} is neither 'random', 'peaked' nor a model directory")
+        raise SystemExit(f"--model: {arg} is neither 'policy', 'random', 'peaked' nor a model directory")
     return p
 
 
@@ -234,7 +241,8 @@ def main(argv=None):
     ap.add_argument("--load", choices=("low", "high"), default="low",
                     help="task workloads: --low-prompts or --high-prompts per engine (traces: --max-groups)")
     ap.add_argument("--json", required=True)
-    ap.add_argument("--model", default="peaked", help="random | peaked | a model directory (default %(default)s)")
+    ap.add_argument("--model", default=None,
+                    help="policy | random | peaked | a model directory (default: policy for task:, peaked for traces:)")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--n-samples", type=int, default=4)
     ap.add_argument("--low-prompts", type=int, default=1, help="prompts per engine at low load")
@@ -270,8 +278,8 @@ def main(argv=None):
         per_engine = args.low_prompts if args.load == "low" else args.high_prompts
         rows = dataset.generate(per_engine * args.engines, args.seed)
         n = args.n_samples
-        args.max_len = args.max_len or 1024
-        model = resolve_model(args.model)
+        args.max_len = args.max_len or 2048
+        model = resolve_model(args.model or "policy")
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         tool_text = "the task's own tools"
     elif args.workload.startswith("traces:"):
@@ -279,7 +287,7 @@ def main(argv=None):
                                        args.tool_jitter, args.per_env_token)
         trials = {len(json.loads(r["label"])["trials"]) for r in rows}
         n = min(trials)  # a GRPO group = the trials of one task
-        model = resolve_model(args.model, positions=32768)
+        model = resolve_model(args.model or "peaked", positions=32768)
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         longest = max(len(tokenizer.encode(r["prompt"])) + sum(t["lengths"]) +
                       sum(len(tokenizer.encode(o)) for o in t["observations"])

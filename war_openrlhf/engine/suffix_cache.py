@@ -161,7 +161,7 @@ class WarSuffixCache:
             return Draft()
         if max_spec_tokens is None:
             max_spec_tokens = self.max_tree_depth
-        draft = self.index.speculate(req_id, context, int(max_spec_tokens))
+        draft = self.index.speculate_engine(req_id, np.asarray(context), int(max_spec_tokens))
         if not draft.token_ids:
             c["empty_drafts"] += 1
             return draft

@@ -86,6 +86,7 @@ from war_openrlhf.speculation.log import LogEntry
 
 from .rpc import EXTRA_ARGS_KEY, RPC_INSTALL_INDEX, RPC_SEED_VLLM_SUFFIX_CACHE
 from .spec_switch import SpecSwitch, SpecSwitchConfig
+from .step_trace import StepTrace
 from .suffix_cache import WarSuffixCache
 from .wire import entries_from_wire, tensors_from_wire, tokens_from_wire
 
@@ -180,6 +181,8 @@ class WarWorkerExtension:
             self._war_set_mode(mode)
         elif not hasattr(self, "_war_mode"):
             self._war_mode = "on" if cache.enabled else "off"
+        if not hasattr(self, "_war_trace"):
+            self._war_trace = StepTrace()
         self._war_wrap_propose(drafter)
         self._war_apply_mode()
         logger.info("war: drafts now come from a GlobalSuffixIndex replica (%s)", index.config)
@@ -215,6 +218,20 @@ class WarWorkerExtension:
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             now = time.perf_counter()
             cache = getattr(worker, "_war_suffix_cache", None)
+            if cache is not None:
+                drafts = _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+                worker._war_trace.record(now, time.perf_counter())
+                return drafts
+            return _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+
+        def _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
+            if cache is not None and cache.index.has_pending_work:
+                # Log entries wait in the replica's queue (war_apply_log) and go in here,
+                # between steps, a bounded slice at a time; beyond the backlog bound, all.
+                index = cache.index
+                over = index.pending_tokens > index.config.max_pending_tokens
+                done = index.work(None if over else index.config.apply_budget_ms / 1e3)
+                worker._war_trace.applied(done["seconds"])
             switch = getattr(worker, "_war_switch", None)
             if cache is not None and switch is not None and state["start"] is not None:
                 requests = sum(1 for ids in sampled_token_ids if ids)
@@ -268,9 +285,20 @@ class WarWorkerExtension:
         return len(weights)
 
     def war_apply_log(self, entries: Sequence[LogEntry | Mapping[str, Any]]) -> int:
-        """Apply log entries (``entries_to_wire`` dicts or ``LogEntry``) in order;
-        returns how many were new."""
-        return self._war_cache().index.apply(entries_from_wire(entries))
+        """Take log entries (``entries_to_wire`` dicts or ``LogEntry``, in order); returns how many were new.
+
+        An idle engine applies them now. A busy one queues them and applies a slice of
+        at most ``apply_budget_ms`` before each step's drafting (see the propose wrapper),
+        so a burst of records never stalls a step."""
+        index = self._war_cache().index
+        n = index.enqueue(entries_from_wire(entries))
+        if not self._war_busy():
+            index.work(None)
+        return n
+
+    def _war_busy(self) -> bool:
+        batch = getattr(getattr(self, "model_runner", None), "input_batch", None)
+        return bool(batch is not None and getattr(batch, "num_reqs", 0))
 
     def war_set_speculation(self, enabled: bool) -> bool:
         """Force drafting on/off (mode ``on``/``off``); returns whether it was drafting."""
@@ -300,7 +328,10 @@ class WarWorkerExtension:
         cache = getattr(self, "_war_suffix_cache", None)
         if cache is None:
             return {"installed": False}
+        if not self._war_busy():
+            cache.index.work(None)  # nothing waits on an idle engine
         out = {"installed": True, "rank": int(getattr(self, "rank", 0)), **cache.stats()}
+        out["step_trace"] = self._war_trace.summary(reset=reset)
         out["mode"] = getattr(self, "_war_mode", "on")
         switch = getattr(self, "_war_switch", None)
         if switch is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -69,6 +69,11 @@ class SuffixIndexConfig:
       ``depth - m``; ``None`` (default) matches ``depth - max_tokens + 1`` tokens,
       which keeps every match that can still yield a full draft and cuts the
       speculate cost (quadratic in the window) by ~3x at depth 32, K 16.
+    - ``apply_budget_ms``: on a busy engine, log entries are applied between steps in
+      slices of about this long (0.5 ms: under 3% of a 20 ms GPU decode step), so a
+      burst of completed turns never stalls a step; an idle engine applies them at once.
+    - ``max_pending_tokens``: a backlog beyond this many queued response tokens is applied
+      in full at the next step (the replica never falls far behind the log).
     """
 
     max_tree_depth: int = 32
@@ -84,6 +89,8 @@ class SuffixIndexConfig:
     min_token_prob: float = 0.1
     max_trajectory_trees: int = 4096
     match_window: int | None = None
+    apply_budget_ms: float = 0.5
+    max_pending_tokens: int = 65536
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -94,6 +101,9 @@ class SuffixIndexConfig:
         check_int("SuffixIndexConfig", "prompt_lead_in", self.prompt_lead_in, 0)
         check_int("SuffixIndexConfig", "max_policy_lag", self.max_policy_lag, 0, nullable=True)
         check_int("SuffixIndexConfig", "match_window", self.match_window, 2, nullable=True)
+        check_int("SuffixIndexConfig", "max_pending_tokens", self.max_pending_tokens, 0)
+        if not float(self.apply_budget_ms) > 0:
+            raise bad("apply_budget_ms", "must be > 0")
         if not 0.0 < float(self.evict_to_fraction) <= 1.0:
             raise bad("evict_to_fraction", "must be in (0, 1]")
         if float(self.group_bias) <= 0:
@@ -194,6 +204,12 @@ class GlobalSuffixIndex:
         self._groups: dict[str, tuple[SuffixTree, list[int]]] = {}
         self._applied_seq = 0
         self._policy_version = 0
+        # log entries waiting for work(); a record being inserted; a shadow rebuild
+        self._queue: deque[LogEntry] = deque()
+        self._queued_seq = 0
+        self._queued_tokens = 0
+        self._inserting: list | None = None
+        self._rebuilding: list | None = None
         # local state
         self._requests: dict[str, _RequestState] = {}
         self._trajectories: OrderedDict[str, _TrajectoryTree] = OrderedDict()
@@ -207,6 +223,7 @@ class GlobalSuffixIndex:
             "records_truncated": 0,
             "rebuilds": 0,
             "rebuild_seconds": 0.0,
+            "apply_seconds": 0.0,
         }
 
     # ================================================================ replication
@@ -222,39 +239,143 @@ class GlobalSuffixIndex:
     def start_at(self, seq: int) -> None:
         """An empty replica joining a log whose entries up to ``seq`` are gone (truncated once
         every earlier replica had them): apply from ``seq + 1`` on."""
-        if self._records or self._applied_seq:
+        if self._records or self._queued_seq:
             raise ValueError("start_at: only an empty replica can start in the middle of a log")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise ValueError(f"start_at: seq must be an int >= 0, got {seq!r}")
-        self._applied_seq = seq
+        self._applied_seq = self._queued_seq = seq
 
     def sync(self, log: CompletedSequenceLog, limit: int | None = None) -> int:
-        """Apply the log's entries after :attr:`applied_seq`; returns how many."""
-        return self.apply(log.read(self._applied_seq, limit))
+        """Apply the log's entries after those applied or queued, and any queued ones; returns how many."""
+        return self.apply(log.read(self._queued_seq, limit))
 
     def apply(self, entries: Iterable[LogEntry]) -> int:
-        """Apply log entries in order. Already-applied entries are skipped; a gap raises."""
-        n = 0
+        """Apply log entries in order, all of them now. Already-applied entries are skipped; a gap raises."""
+        self.enqueue(entries)
+        return self.work(None)["entries"]
+
+    # Entries wait in a queue and are applied by :meth:`work` in bounded slices, so an engine
+    # applies the log between steps without stalling one (see worker_extension): a record is
+    # inserted in chunks of _CHUNK tokens, and an eviction's rebuild is a shadow tree filled
+    # chunk by chunk while the old tree keeps drafting, then swapped in. Entries are applied
+    # strictly in order, so the state after a full drain is the same however it was sliced.
+    _CHUNK = 256
+
+    def enqueue(self, entries: Iterable[LogEntry]) -> int:
+        """Queue log entries (in order, after what is applied or queued) for :meth:`work`; returns how many.
+
+        Already-queued or applied entries are skipped; a gap raises ``ValueError`` and queues nothing.
+        """
+        last = self._queued_seq
+        fresh = []
         for entry in entries:
-            if entry.seq <= self._applied_seq:
+            if entry.seq <= last:
                 continue
-            if entry.seq != self._applied_seq + 1:
+            if entry.seq != last + 1:
                 raise ValueError(
-                    f"seq: expected entry {self._applied_seq + 1}, got {entry.seq}; "
+                    f"seq: expected entry {last + 1}, got {entry.seq}; "
                     "apply entries in order without gaps (use sync(log))"
                 )
-            if entry.record is not None:
-                need_eviction = self._insert(entry.seq, entry.record)
-            elif entry.policy_version is not None:
-                need_eviction = self._advance_version(entry.policy_version)
-            else:
+            if entry.record is None and entry.policy_version is None:
                 raise ValueError(f"entry {entry.seq}: neither a record nor a policy_version")
-            # Evict per entry, so the state never depends on how entries were batched.
-            if need_eviction:
-                self._evict()
+            fresh.append(entry)
+            last = entry.seq
+        self._queue.extend(fresh)
+        self._queued_tokens += sum(int(e.record.response_token_ids.size) for e in fresh if e.record is not None)
+        self._queued_seq = last
+        return len(fresh)
+
+    @property
+    def pending_entries(self) -> int:
+        """Entries queued or partly applied (0: the replica holds everything it was given)."""
+        return len(self._queue) + (self._inserting is not None)
+
+    @property
+    def has_pending_work(self) -> bool:
+        """Entries to apply, or an eviction's rebuild to finish: :meth:`work` has something to do."""
+        return bool(self._queue) or self._inserting is not None or self._rebuilding is not None
+
+    @property
+    def pending_tokens(self) -> int:
+        """Response tokens of queued records (what is left to insert, roughly)."""
+        return self._queued_tokens
+
+    def work(self, budget_s: float | None) -> dict[str, Any]:
+        """Apply queued entries for about ``budget_s`` seconds (``None``: until the queue is empty).
+
+        At least one chunk of work is done per call when there is any, so the queue always
+        drains. Returns ``{"entries": applied, "tokens": inserted, "seconds": spent}``.
+        """
+        t0 = time.perf_counter()
+        deadline = None if budget_s is None else t0 + budget_s
+        entries = tokens = 0
+        while True:
+            if self._rebuilding is not None:
+                tokens += self._rebuild_step()
+            elif self._inserting is not None:
+                tokens += self._insert_step()
+                if self._inserting is None:
+                    entries += 1
+            elif self._queue:
+                if self._begin(self._queue.popleft()):
+                    entries += 1
+            else:
+                break
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        seconds = time.perf_counter() - t0
+        self._stats["apply_seconds"] += seconds
+        return {"entries": entries, "tokens": tokens, "seconds": seconds}
+
+    def _begin(self, entry: LogEntry) -> bool:
+        """Start applying ``entry``; True when it is already fully applied."""
+        if entry.record is None:
+            if self._advance_version(entry.policy_version):
+                self._start_eviction()
             self._applied_seq = entry.seq
-            n += 1
-        return n
+            return True
+        record = entry.record
+        self._queued_tokens -= int(record.response_token_ids.size)
+        cfg = self.config
+        stale_evict = self._advance_version(record.policy_version)
+        if cfg.max_policy_lag is not None and record.policy_version < self._policy_version - cfg.max_policy_lag:
+            self._stats["records_stale_dropped"] += 1
+            if stale_evict:
+                self._start_eviction()
+            self._applied_seq = entry.seq
+            return True
+        lead = record.prompt_token_ids[-cfg.prompt_lead_in :] if cfg.prompt_lead_in else record.prompt_token_ids[:0]
+        tokens = np.concatenate([lead, record.response_token_ids]) if lead.size else record.response_token_ids
+        if tokens.size > cfg.token_budget:
+            tokens = tokens[-cfg.token_budget :]
+            self._stats["records_truncated"] += 1
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        stored = _StoredRecord(entry.seq, record.trajectory_id, record.group_id, record.policy_version, tokens)
+        self._records[entry.seq] = stored
+        self._global_tokens += int(tokens.size)
+        self._inserting = [stored, 0, stale_evict]
+        return False
+
+    def _insert_step(self) -> int:
+        """Insert the next chunk of the record being applied; finish it when it is all in."""
+        stored, offset, stale_evict = self._inserting
+        chunk = stored.tokens[offset : offset + self._CHUNK]
+        self._global.extend_ndarray(stored.seq & _SEQ_MASK, chunk)
+        offset += int(chunk.size)
+        if offset < stored.tokens.size:
+            self._inserting[1] = offset
+            return int(chunk.size)
+        self._inserting = None
+        if self.config.group_trees:
+            tree, seqs = self._groups.get(stored.group_id) or (SuffixTree(self._depth), [])
+            tree.extend_ndarray(stored.seq & _SEQ_MASK, stored.tokens)
+            seqs.append(stored.seq)
+            self._groups[stored.group_id] = (tree, seqs)
+        self._stats["records_applied"] += 1
+        self._applied_seq = stored.seq
+        if stale_evict or self._global_tokens > self.config.token_budget:
+            self._start_eviction()
+        return int(chunk.size)
 
     def _advance_version(self, version: int) -> bool:
         if version <= self._policy_version:
@@ -266,34 +387,9 @@ class GlobalSuffixIndex:
         floor = version - lag
         return any(r.policy_version < floor for r in self._records.values())
 
-    def _insert(self, seq: int, record: CompletedSequence) -> bool:
+    def _start_eviction(self) -> None:
+        """Drop stale and oldest records, then rebuild the global tree from the survivors (in slices)."""
         cfg = self.config
-        stale_evict = self._advance_version(record.policy_version)
-        if cfg.max_policy_lag is not None and record.policy_version < self._policy_version - cfg.max_policy_lag:
-            self._stats["records_stale_dropped"] += 1
-            return stale_evict
-        lead = record.prompt_token_ids[-cfg.prompt_lead_in :] if cfg.prompt_lead_in else record.prompt_token_ids[:0]
-        tokens = np.concatenate([lead, record.response_token_ids]) if lead.size else record.response_token_ids
-        if tokens.size > cfg.token_budget:
-            tokens = tokens[-cfg.token_budget :]
-            self._stats["records_truncated"] += 1
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        stored = _StoredRecord(seq, record.trajectory_id, record.group_id, record.policy_version, tokens)
-        self._records[seq] = stored
-        self._global.extend_ndarray(seq & _SEQ_MASK, tokens)
-        self._global_tokens += int(tokens.size)
-        if cfg.group_trees:
-            tree, seqs = self._groups.get(stored.group_id) or (SuffixTree(self._depth), [])
-            tree.extend_ndarray(seq & _SEQ_MASK, tokens)
-            seqs.append(seq)
-            self._groups[stored.group_id] = (tree, seqs)
-        self._stats["records_applied"] += 1
-        return stale_evict or self._global_tokens > cfg.token_budget
-
-    def _evict(self) -> None:
-        """Drop stale and oldest records, then rebuild the trees from the survivors."""
-        cfg = self.config
-        t0 = time.perf_counter()
         victims: list[int] = []
         if cfg.max_policy_lag is not None:
             floor = self._policy_version - cfg.max_policy_lag
@@ -311,13 +407,32 @@ class GlobalSuffixIndex:
             return
         self._stats["records_evicted"] += len(victims) - n_stale
         self._stats["records_stale_dropped"] += n_stale
-        self._global = SuffixTree(self._depth)
-        for s, r in self._records.items():
-            self._global.extend_ndarray(s & _SEQ_MASK, r.tokens)
+        self._stats["rebuilds"] += 1
+        # The old tree keeps drafting until the new one holds every survivor.
+        self._rebuilding = [SuffixTree(self._depth), list(self._records.values()), 0, 0, 0.0]
         if cfg.group_trees:
             self._rebuild_groups()
-        self._stats["rebuilds"] += 1
-        self._stats["rebuild_seconds"] += time.perf_counter() - t0
+
+    def _rebuild_step(self) -> int:
+        t0 = time.perf_counter()
+        job = self._rebuilding
+        tree, survivors, i, offset = job[0], job[1], job[2], job[3]
+        done = 0
+        while i < len(survivors) and done < self._CHUNK:
+            r = survivors[i]
+            chunk = r.tokens[offset : offset + self._CHUNK - done]
+            tree.extend_ndarray(r.seq & _SEQ_MASK, chunk)
+            done += int(chunk.size)
+            offset += int(chunk.size)
+            if offset >= r.tokens.size:
+                i, offset = i + 1, 0
+        job[2], job[3] = i, offset
+        job[4] += time.perf_counter() - t0
+        if i >= len(survivors):
+            self._global = tree
+            self._rebuilding = None
+            self._stats["rebuild_seconds"] += job[4]
+        return done
 
     def _rebuild_groups(self) -> None:
         alive: dict[str, list[int]] = {}
@@ -421,26 +536,42 @@ class GlobalSuffixIndex:
             max_tokens = int(max_tokens)
         if max_tokens < 0:
             raise ValueError(f"max_tokens: must be an int >= 0, got {max_tokens!r}")
-        ctx = as_token_array(context, "context")
-        if max_tokens == 0:
+        return self._speculate(state, as_token_array(context, "context"), max_tokens)
+
+    def speculate_engine(self, request_id: str, context: np.ndarray, max_tokens: int) -> Draft:
+        """:meth:`speculate` for the engine's hot path: ``context`` is a 1-D int32 slice of
+        the engine's own token buffer (ids the engine sampled, so never negative) and
+        ``max_tokens`` an int; only the request id is checked."""
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._request(request_id)
+        if context.dtype != np.int32 or context.ndim != 1 or not context.size:
+            context = as_token_array(context, "context")
+        return self._speculate(state, context, max_tokens)
+
+    def _speculate(self, state: _RequestState, ctx: np.ndarray, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
             return Draft()
         cfg = self.config
         window = cfg.match_window or max(2, self._depth - max_tokens + 1)
         if ctx.size > window:
             ctx = ctx[-window:]
+        if not ctx.flags.c_contiguous:
+            ctx = np.ascontiguousarray(ctx)
         args = (ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, False)
         # Candidates in tie-break order, each with its score weight.
-        request_tree = self._trajectories[state.trajectory_key].tree
-        group = self._groups.get(state.group_id) if cfg.group_trees and state.group_id is not None else None
-        live = state.live_seq is not None and self._live.num_seqs() > 0
-        best = request_tree.speculate_ndarray(*args)
+        best = self._trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
         best_score, source = best.score, "request"
         full = float(max_tokens)  # no draft scores more than max_tokens
-        if group is not None and best_score < full * cfg.group_bias:
-            d = group[0].speculate_ndarray(*args)
-            if d.score * cfg.group_bias > best_score:
-                best, best_score, source = d, d.score * cfg.group_bias, "group"
-        if live and best_score < full:
+        if cfg.group_trees and state.group_id is not None and best_score < full * cfg.group_bias:
+            group = self._groups.get(state.group_id)
+            if group is not None:
+                d = group[0].speculate_ndarray(*args)
+                if d.score * cfg.group_bias > best_score:
+                    best, best_score, source = d, d.score * cfg.group_bias, "group"
+        # The live tree holds this engine's in-flight responses; when the only one is this
+        # request's own (already in its trajectory tree) it can add nothing: skip the lookup.
+        if state.live_seq is not None and best_score < full and self._live.num_seqs() > (state.live_tokens > 0):
             d = self._live.speculate_ndarray(*args)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "live"
@@ -478,6 +609,8 @@ class GlobalSuffixIndex:
         return {
             **self._stats,
             "applied_seq": self._applied_seq,
+            "pending_entries": self.pending_entries,
+            "pending_tokens": self._queued_tokens,
             "policy_version": self._policy_version,
             "records": len(self._records),
             "indexed_tokens": self._global_tokens,
@@ -488,8 +621,11 @@ class GlobalSuffixIndex:
 
     # ================================================================ persistence
     def save(self, path: str | Path) -> Path:
-        """Write the replicated state (config, records, log position) to ``path`` (.npz)."""
+        """Write the replicated state (config, records, log position) to ``path`` (.npz).
+
+        Queued entries are applied first, so the file holds everything this replica was given."""
         path = Path(path)
+        self.work(None)
         recs = list(self._records.values())
         lengths = np.array([r.tokens.size for r in recs], dtype=np.int64)
         meta = {
@@ -534,6 +670,6 @@ class GlobalSuffixIndex:
             index._global_tokens += int(toks.size)
         if config.group_trees:
             index._rebuild_groups()
-        index._applied_seq = int(meta["applied_seq"])
+        index._applied_seq = index._queued_seq = int(meta["applied_seq"])
         index._policy_version = int(meta["policy_version"])
         return index
