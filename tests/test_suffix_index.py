@@ -131,17 +131,22 @@ def _drafts(index: GlobalSuffixIndex, contexts, max_tokens=8):
     return out
 
 
-@settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=8),
-       budget=st.integers(40, 400), lag=st.sampled_from([None, 0, 1]), group_trees=st.booleans())
-def test_replicas_converge_whatever_the_batching(seed, chunks, budget, lag, group_trees):
-    rng = np.random.default_rng(seed)
+def _three_versions_and_two_replicas(rng, budget, lag, group_trees):
+    """A log of 24 records over three policy versions, and two empty replicas of one config."""
     log = CompletedSequenceLog()
     for v in range(3):
         _fill(log, rng, 8, version=v)
         log.advance_policy_version(v + 1)
     cfg = SuffixIndexConfig(max_tree_depth=6, token_budget=budget, max_policy_lag=lag, group_trees=group_trees)
-    a, b = GlobalSuffixIndex(cfg), GlobalSuffixIndex(cfg)
+    return log, GlobalSuffixIndex(cfg), GlobalSuffixIndex(cfg)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), chunks=st.lists(st.integers(1, 7), min_size=1, max_size=8),
+       budget=st.integers(40, 400), lag=st.sampled_from([None, 0, 1]), group_trees=st.booleans())
+def test_replicas_converge_whatever_the_batching(seed, chunks, budget, lag, group_trees):
+    rng = np.random.default_rng(seed)
+    log, a, b = _three_versions_and_two_replicas(rng, budget, lag, group_trees)
     a.sync(log)
     i = 0
     while b.applied_seq < log.last_seq:  # b catches up in uneven chunks
@@ -161,12 +166,7 @@ def test_sliced_application_ends_in_the_state_of_applying_at_once(seed, chunk, b
     eviction's rebuild as a shadow tree): every slice is bounded, drafting works between
     slices, and once drained the replica is exactly the one that applied everything at once."""
     rng = np.random.default_rng(seed)
-    log = CompletedSequenceLog()
-    for v in range(3):
-        _fill(log, rng, 8, version=v)
-        log.advance_policy_version(v + 1)
-    cfg = SuffixIndexConfig(max_tree_depth=6, token_budget=budget, max_policy_lag=lag, group_trees=group_trees)
-    a, b = GlobalSuffixIndex(cfg), GlobalSuffixIndex(cfg)
+    log, a, b = _three_versions_and_two_replicas(rng, budget, lag, group_trees)
     b._CHUNK = chunk
     a.sync(log)
     assert b.enqueue(log.read(0)) == log.last_seq

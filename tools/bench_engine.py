@@ -7,6 +7,9 @@ Configs, one real vLLM engine each (started one after the other, same prompts):
   vllm_suffix   vLLM's per-engine suffix method (its cache warmed by the earlier round)
   war_off       WAR's engine with drafting forced off (what the switch chooses when off)
   war_on        WAR's replica, forced on (pre-filled with the earlier round's records)
+  war_on_vllm_rule  the same with vLLM's draft rule (depth 24, max_spec_factor 1, min prob
+                0.1: vLLM's suffix defaults): same records, same rule, so the difference
+                to vllm_suffix is what WAR's drafter machinery costs
   war_auto      WAR's replica with the load-aware switch deciding per step
 
 The "earlier round" is the same prompts' greedy outputs with every ``--perturb``-th
@@ -16,6 +19,8 @@ writes the step-latency table the switch learnt and where it landed per batch si
 
 Example:
   python tools/bench_engine.py --json results/bench_engine.json
+  python tools/bench_engine.py --fit-costs results/cost_cpu_peaked.json \
+      --model .cache/war_tiny_llama_peaked_32768 --max-len 32768 --repeats 3
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 # engine core and worker in this process: on a 2-core machine the 3-process layout
-# (driver, engine core busy loop, worker) makes step times noisy
+# (driver, engine core busy loop, worker) makes step times noisy (3-5x between identical
+# runs of --fit-costs; in-process, the spread is what the fit's report shows)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -40,7 +46,10 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 from war_openrlhf.metrics import format_table, write_json  # noqa: E402
 from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 
-CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_auto")
+CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_auto")
+# vLLM 0.29's SpeculativeConfig suffix defaults (suffix_decoding_max_tree_depth, _max_spec_factor,
+# _min_token_prob): WAR's index configured to draft by the same rule.
+VLLM_SUFFIX_RULE = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1}
 
 
 def _perturb(tokens, every, vocab):
@@ -90,8 +99,9 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                      for p, e in zip(prompts, earlier)]
             llm.collective_rpc(RPC_SEED_VLLM_SUFFIX_CACHE, args=(items,))
         if name.startswith("war"):
-            mode = {"war_on": "on", "war_off": "off"}.get(name, "auto")
-            llm.collective_rpc(RPC_INSTALL_INDEX, args=({}, {}, mode))
+            mode = {"war_on": "on", "war_on_vllm_rule": "on", "war_off": "off"}.get(name, "auto")
+            index_config = VLLM_SUFFIX_RULE if name == "war_on_vllm_rule" else {}
+            llm.collective_rpc(RPC_INSTALL_INDEX, args=(index_config, {}, mode))
             log = CompletedSequenceLog()
             for i, (p, e) in enumerate(zip(prompts, earlier)):
                 log.append(CompletedSequence.create(f"earlier{i}", "g", 0, p, e))
@@ -124,11 +134,97 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                 row["switch_gain"] = st["switch"]["expected_gain"]
                 row["switch_reason"] = st["switch"]["decision_reason"]
                 row["table"] = st["switch"]["table"]
+                row["drafter_step_us"] = st["step_trace"]["drafter_us"]
             rows.append(row)
             print(f"  {name:12s} batch {b:3d}: {best:8.0f} tok/s", flush=True)
         return start_s, rows
     finally:
         _shutdown(llm)
+
+
+def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
+    """Runs of engine steps with known work, on one engine without speculation (what a cost
+    model is fitted to): ``b`` fresh prompts of ``c`` tokens each (prefix caching off), each
+    generating ``m + 1`` tokens (``m = 0``: prefill only). A run's time is the engine core's
+    own (first request scheduled to last token, from vLLM's per-request timestamps: no
+    front-end or process-hop noise); its work follows from vLLM's schedule: the prompts are
+    prefilled in chunks of ``max_num_batched_tokens``, then ``m`` decode steps of ``b``
+    sequences. Returns ``(runs, engine limits)``."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from war_openrlhf.simulation.fit import StepRun
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # as the rollout's engines: one core each
+    llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
+              enable_prefix_caching=False, disable_log_stats=False)
+    try:
+        cfg = llm.llm_engine.vllm_config
+        chunk = int(cfg.scheduler_config.max_num_batched_tokens)
+        limits = {"max_num_batched_tokens": chunk, "max_num_seqs": int(cfg.scheduler_config.max_num_seqs),
+                  "block_size": int(cfg.cache_config.block_size),
+                  "kv_capacity_tokens": int(cfg.cache_config.num_gpu_blocks or 0) * int(cfg.cache_config.block_size)}
+        rng = np.random.default_rng(seed)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+
+        def run(b, c, m):
+            batch = [{"prompt_token_ids": rng.integers(10, vocab - 10, size=c).tolist()} for _ in range(b)]
+            sp = SamplingParams(temperature=0.0, max_tokens=m + 1, ignore_eos=True)
+            outs = llm.generate(batch, sp, use_tqdm=False)
+            metrics = [o.metrics for o in outs]
+            if any(x is None or not x.last_token_ts for x in metrics):
+                raise RuntimeError("vLLM returned no per-request timestamps (disable_log_stats must be False)")
+            seconds = max(x.last_token_ts for x in metrics) - min(x.scheduled_ts for x in metrics)
+            # vLLM's schedule: prompts prefilled back to back in chunks of `chunk` tokens
+            left, computed, steps, ctx, pairs = [c] * b, [0] * b, 0, 0, 0.0
+            i = 0
+            while i < b:
+                budget = chunk
+                steps += 1
+                while i < b and budget > 0:
+                    n = min(left[i], budget)
+                    pairs += n * (computed[i] + n / 2)
+                    computed[i] += n
+                    ctx += computed[i]
+                    left[i] -= n
+                    budget -= n
+                    if left[i] == 0:
+                        i += 1
+            ctx += sum(b * (c + k) for k in range(1, m + 1))
+            return StepRun("prefill" if m == 0 else "decode", steps + m, b * m, ctx, b * c, seconds, pairs)
+
+        run(1, 64, 4)  # warm-up
+        shapes = [(1, c, 0) for c in (256, 1024, 4096, 8192, 16384) if c < max_len - 64]
+        shapes += [(b, c, 48) for b in (1, 2, 4, 8, 16) for c in (64, 2048, 8192)
+                   if c < max_len - 80 and b * c <= 65536]
+        samples = {shape: [] for shape in shapes}
+        for _ in range(repeats):  # shapes interleaved, so slow phases of the machine hit all of them
+            for shape in shapes:
+                samples[shape].append(run(*shape))
+        # the median run of each shape (robust to this machine's stalls)
+        return [sorted(v, key=lambda r: r.seconds)[len(v) // 2] for v in samples.values()], limits
+    finally:
+        _shutdown(llm)
+
+
+def fit_costs(args) -> int:
+    """--fit-costs: measure step costs on one engine, fit the simulator's cost model, write it."""
+    from war_openrlhf.simulation.fit import fit_cost_model
+
+    runs, limits = measure_step_costs(args.model, args.max_len, args.repeats, bind=args.bind)
+    model, report = fit_cost_model(runs, name=f"fitted:{args.model.name}", **limits)
+    rows = [{"kind": r["kind"], "steps": r["steps"], "decode_seqs": r["decode_seqs"],
+             "prefill": r["prefill_tokens"], "measured_ms": 1e3 * r["seconds"], "predicted_ms": 1e3 * r["predicted_s"],
+             "ratio": r["ratio"]} for r in report["runs"]]
+    print(format_table(rows, [("kind", "run", ""), ("steps", "steps", ".0f"), ("decode_seqs", "decode seqs", ".0f"),
+                              ("prefill", "prefill tokens", ".0f"), ("measured_ms", "measured ms", ".1f"),
+                              ("predicted_ms", "fitted ms", ".1f"), ("ratio", "fitted/measured", ".3f")]))
+    print("fitted:", {k: f"{v:.3g}" for k, v in report["costs"].items()}, "limits:", limits,
+          f"max relative error {report['max_relative_error']:.1%}")
+    out = write_json(args.fit_costs, {"benchmark": "engine_step_costs", "model": str(args.model),
+                                      "max_model_len": args.max_len, "cost_model": model.to_dict(), "fit": report})
+    print(f"wrote {out}")
+    return 0
 
 
 def _shutdown(llm):
@@ -150,7 +246,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--fit-costs", type=Path, metavar="OUT.json",
+                    help="instead of the sweep: measure step costs (prefill, decode at several batch sizes and "
+                         "context lengths) on --model without speculation, fit the simulator's cost model to them "
+                         "and write it (a preset for bench_rollout.py --cost-model)")
+    ap.add_argument("--max-len", type=int, default=1024, help="--fit-costs: the engine's max_model_len")
+    ap.add_argument("--bind", default="0", help="--fit-costs: VLLM_CPU_OMP_THREADS_BIND of the measured engine "
+                                                "(default core 0: rollout engines get one core each)")
     args = ap.parse_args(argv)
+    if args.fit_costs is not None:
+        return fit_costs(args)
 
     from vllm import LLM, SamplingParams
 

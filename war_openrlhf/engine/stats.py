@@ -29,6 +29,7 @@ class EngineStats:
     waiting: int = 0
     kv_cache_usage: float = 0.0
     kv_capacity_tokens: int | None = None
+    kv_block_size: int | None = None  # the engine's KV block: its prefix cache reuses whole blocks only
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_drafts: int = 0
@@ -57,6 +58,7 @@ class EngineStats:
             running=int(d.get("running", 0)), waiting=int(d.get("waiting", 0)),
             kv_cache_usage=float(d.get("kv_cache_usage", 0.0) or 0.0),
             kv_capacity_tokens=int(cap) if cap else None,
+            kv_block_size=int(d["kv_block_size"]) if d.get("kv_block_size") else None,
             **{k: int(d.get(k, 0) or 0) for k in COUNTERS},
             spec_step_fraction=switch.get("spec_step_fraction"),
             index_applied_seq=index.get("applied_seq"), index_owner=d.get("index_owner"),

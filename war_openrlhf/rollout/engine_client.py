@@ -67,6 +67,7 @@ class EngineClient:
         self.queued_tokens = 0
         self.parked = 0
         self.kv_capacity_tokens = UNKNOWN_KV_TOKENS
+        self.kv_block_size = 16  # until the engine reports its own
         self.log_sent = 0
         self.sync_errors = 0  # index log pushes the engine refused (not a dead actor)
         self.last_sync_error: str | None = None
@@ -113,6 +114,8 @@ class EngineClient:
                 self.peak_kv_usage = max(self.peak_kv_usage, self.last_stats.kv_cache_usage)
                 if self.last_stats.kv_capacity_tokens:
                     self.kv_capacity_tokens = self.last_stats.kv_capacity_tokens
+                if self.last_stats.kv_block_size:
+                    self.kv_block_size = self.last_stats.kv_block_size
         return replace(self.last_stats, engine=self.index, healthy=self.healthy, error=self.error)
 
     # ------------------------------------------------------------------ state
@@ -131,5 +134,5 @@ class EngineClient:
     def state(self, exclude_parked: int = 0) -> EngineState:
         """The dispatcher's snapshot of this engine."""
         return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
-                           max(0, self.parked - exclude_parked), self.healthy)
+                           max(0, self.parked - exclude_parked), self.healthy, self.kv_block_size)
 

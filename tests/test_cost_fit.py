@@ -1,0 +1,94 @@
+"""Fitting the simulator's cost model to measured engine runs (simulation.fit)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from war_openrlhf.simulation.cost_model import get_preset
+from war_openrlhf.simulation.fit import StepRun, _nnls, fit_cost_model
+
+
+def _brute_nnls(a, b):
+    """Every support set's unconstrained least squares, kept when non-negative; the best residual."""
+    n = a.shape[1]
+    best, best_r = np.zeros(n), float(np.sum(b ** 2))
+    for k in range(1, n + 1):
+        for support in itertools.combinations(range(n), k):
+            x = np.zeros(n)
+            x[list(support)] = np.linalg.lstsq(a[:, support], b, rcond=None)[0]
+            if (x >= -1e-12).all():
+                r = float(np.sum((a @ x - b) ** 2))
+                if r < best_r - 1e-12:
+                    best, best_r = x, r
+    return best, best_r
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10_000), rows=st.integers(5, 9), cols=st.integers(1, 5))
+def test_nnls_matches_brute_force(seed, rows, cols):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(size=(rows, cols))
+    b = rng.normal(size=rows)
+    x = _nnls(a, b)
+    _, best_r = _brute_nnls(a, b)
+    assert (x >= 0).all()
+    assert float(np.sum((a @ x - b) ** 2)) == pytest.approx(best_r, rel=1e-6, abs=1e-9)
+
+
+def _runs(costs, rng, noise=0.0):
+    runs = []
+    for length in (256, 1024, 4096, 8192, 16384):
+        steps = -(-length // 4096)
+        chunks = [min(4096, length - 4096 * i) for i in range(steps)]
+        pairs = sum(c * (4096 * i + c / 2) for i, c in enumerate(chunks))
+        runs.append(StepRun("prefill", steps, 0, length * steps, length, 0.0, pairs))
+    for b in (1, 4, 16):
+        for c in (64, 2048, 8192):
+            runs.append(StepRun("decode", 32, 32 * b, 32 * b * c, 0, 0.0, 0.0))
+    out = []
+    for r in runs:
+        t = float(np.dot(r.features(), costs)) * (1.0 + noise * rng.normal())
+        out.append(StepRun(r.kind, r.steps, r.decode_seqs, r.context_tokens, r.prefill_tokens, t, r.prefill_pairs))
+    return out
+
+
+def test_fit_recovers_the_costs_that_generated_the_runs():
+    truth = get_preset("cpu_tiny")
+    costs = [truth.step_overhead_s, truth.decode_per_seq_s, 2e-9, 3e-5, 2e-9]
+    model, report = fit_cost_model(_runs(costs, np.random.default_rng(0)), name="t", kv_capacity_tokens=10**6,
+                                   max_num_seqs=256, max_num_batched_tokens=4096, block_size=128)
+    fitted = [model.step_overhead_s, model.decode_per_seq_s, model.kv_read_per_token_s, model.prefill_per_token_s,
+              model.prefill_attn_per_pair_s]
+    assert np.allclose(fitted, costs, rtol=1e-6)
+    assert report["max_relative_error"] < 1e-6 and model.block_size == 128
+    # with 3% measurement noise: costs within 15%, every run within 10%
+    model, report = fit_cost_model(_runs(costs, np.random.default_rng(1), noise=0.03), name="t",
+                                   kv_capacity_tokens=10**6, max_num_seqs=256, max_num_batched_tokens=4096,
+                                   block_size=128)
+    assert model.step_overhead_s == pytest.approx(costs[0], rel=0.15)
+    assert model.prefill_per_token_s == pytest.approx(costs[3], rel=0.15)
+    assert report["max_relative_error"] < 0.1
+
+
+def test_fit_refuses_too_few_or_empty_runs(tmp_path):
+    run = StepRun("decode", 1, 1, 10, 0, 0.001)
+    with pytest.raises(ValueError, match="at least 5"):
+        fit_cost_model([run] * 4, name="t", kv_capacity_tokens=1024, max_num_seqs=8, max_num_batched_tokens=64,
+                       block_size=16)
+    with pytest.raises(ValueError, match=r"runs\[1\].seconds"):
+        fit_cost_model([run, StepRun("decode", 1, 1, 10, 0, 0.0), run, run, run], name="t", kv_capacity_tokens=1024,
+                       max_num_seqs=8, max_num_batched_tokens=64, block_size=16)
+    # a fitted model round-trips through the JSON preset loader
+    model, _ = fit_cost_model(_runs([1e-3, 4e-5, 0.0, 4e-5, 0.0], np.random.default_rng(0)), name="t",
+                              kv_capacity_tokens=10**6, max_num_seqs=256, max_num_batched_tokens=4096, block_size=128)
+    path = tmp_path / "cost.json"
+    path.write_text(__import__("json").dumps({"cost_model": model.to_dict()}))
+    assert get_preset(str(path)) == model
+    path.write_text("{\"name\": 1}")
+    with pytest.raises(ValueError, match="is not a cost model"):
+        get_preset(str(path))

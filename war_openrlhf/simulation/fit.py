@@ -1,0 +1,118 @@
+"""Fit a :class:`~.cost_model.CostModel` to step timings measured on a real engine.
+
+The simulator stands behind cluster-scale claims only where it matches real engines; its
+costs must therefore come from measurements, fitted in code. A measurement is a run of
+engine steps whose work is known (``tools/bench_engine.py --fit-costs`` makes them: prompts
+of known length prefilled, batches of known size decoded for a known number of steps); the
+cost model is linear in that work,
+
+    seconds = steps * step_overhead_s + decode_seqs * decode_per_seq_s
+              + context_tokens * kv_read_per_token_s + prefill_tokens * prefill_per_token_s
+              + prefill_pairs * prefill_attn_per_pair_s
+
+(each term summed over the run's steps), so the five costs are a non-negative least-squares
+fit. Rows are weighted by 1 / seconds: the fit minimises *relative* error, so a 2 ms decode
+run counts as much as a 2 s prefill. The report gives each run's predicted / measured ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .cost_model import CostModel
+
+__all__ = ["StepRun", "fit_cost_model"]
+
+_COSTS = ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_token_s",
+          "prefill_attn_per_pair_s")
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """One measured run of engine steps: the work summed over its steps, and its wall time."""
+
+    kind: str  # "prefill" | "decode": what the run exercised (for the report)
+    steps: float
+    decode_seqs: float
+    context_tokens: float
+    prefill_tokens: float
+    seconds: float
+    prefill_pairs: float = 0.0  # prefill attention pairs (see CostModel.prefill_attn_per_pair_s)
+
+    def features(self) -> list[float]:
+        return [self.steps, self.decode_seqs, self.context_tokens, self.prefill_tokens, self.prefill_pairs]
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson active set; 4 unknowns, so plain numpy)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(10 * n):
+        w = a.T @ (b - a @ x)
+        if passive.all() or (w[~passive] <= 1e-12 * max(1.0, np.abs(w).max())).all():
+            break
+        j = np.argmax(np.where(passive, -np.inf, w))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def fit_cost_model(
+    runs: Sequence[StepRun],
+    *,
+    name: str,
+    kv_capacity_tokens: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+) -> tuple[CostModel, dict[str, Any]]:
+    """The cost model that best explains ``runs`` (relative least squares, costs >= 0), and a report.
+
+    The engine limits (KV capacity, scheduler limits, block size) are the measured engine's
+    own, passed in. Report: the fitted costs, each run's predicted / measured ratio, and the
+    worst relative error.
+    """
+    if len(runs) < len(_COSTS):
+        raise ValueError(f"runs: need at least {len(_COSTS)} measured runs to fit {len(_COSTS)} costs, "
+                         f"got {len(runs)}")
+    for i, r in enumerate(runs):
+        if not r.seconds > 0:
+            raise ValueError(f"runs[{i}].seconds: must be > 0, got {r.seconds!r}")
+    a = np.array([r.features() for r in runs], dtype=np.float64)
+    y = np.array([r.seconds for r in runs], dtype=np.float64)
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    weighted = (a / scale) / y[:, None]
+    x = _nnls(weighted, np.ones(len(runs))) / scale
+    costs = dict(zip(_COSTS, (float(v) for v in x)))
+    model = CostModel(
+        name=name,
+        kv_capacity_tokens=int(kv_capacity_tokens),
+        max_num_seqs=int(max_num_seqs),
+        max_num_batched_tokens=int(max_num_batched_tokens),
+        block_size=int(block_size),
+        **costs,
+    )
+    predicted = a @ x
+    ratios = predicted / y
+    report = {
+        "costs": costs,
+        "runs": [{**asdict(r), "predicted_s": float(p), "ratio": round(float(q), 4)}
+                 for r, p, q in zip(runs, predicted, ratios)],
+        "max_relative_error": round(float(np.max(np.abs(ratios - 1.0))), 4),
+        "median_relative_error": round(float(np.median(np.abs(ratios - 1.0))), 4),
+    }
+    return model, report
