@@ -174,8 +174,27 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
                                str(tmp_path / "o.json"), *argv], capture_output=True, text=True, timeout=300)
 
     out = run("--workload", "task:arithmetic_calculator", "--model", "random", "--kv-tokens", "100")
-    assert out.returncode != 0 and "--kv-tokens: 100 cannot hold one 1024-token episode" in out.stderr
+    assert out.returncode != 0 and "--kv-tokens: 100 cannot hold one 2048-token episode" in out.stderr
     out = run("--workload", "bogus")
     assert out.returncode != 0 and "--workload: 'bogus' is neither task:NAME nor traces:FILE" in out.stderr
     out = run("--configs", "war,fastest")
     assert out.returncode != 0 and "unknown configuration 'fastest'" in out.stderr
+
+
+def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_rollout", ROOT / "tools" / "plot_rollout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    runs = {"openrlhf": [{"step_s": 10.0}, {"step_s": 12.0}, {"step_s": 14.0}],
+            "war": [{"step_s": 6.0}, {"step_s": 8.0}, {"step_s": 12.0}]}
+    x = mod.speedups({"runs": runs})
+    assert x["openrlhf"] == (1.0, 12.0 / 14.0, 12.0 / 10.0)
+    assert x["war"] == (1.5, 1.0, 2.0)
+    with pytest.raises(SystemExit, match="no openrlhf runs"):
+        mod.speedups({"runs": {"war": runs["war"]}})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SystemExit, match="cannot read the benchmark JSON"):
+        mod.main([str(bad), "--out", str(tmp_path / "x.png")])
