@@ -66,6 +66,16 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     for i, s in enumerate(after):
         m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
     m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
+    # what drafting costs each engine step (the replica's step trace): the budget a user tunes
+    # with the index's apply_budget_ms / max_spec_factor, and the log backlog it leaves
+    traces = [s.war.get("step_trace") or {} for s in after]
+    p50 = [t["drafter_us"]["p50"] for t in traces if t.get("steps")]
+    if p50:
+        m["war/drafter_step_us_p50"] = float(max(p50))
+        m["war/drafter_step_us_p99"] = float(max(t["drafter_us"]["p99"] for t in traces if t.get("steps")))
+    pending = [(s.war.get("index") or {}).get("pending_entries") for s in after]
+    if any(p is not None for p in pending):
+        m["war/index_pending_entries"] = float(sum(p or 0 for p in pending))
     return m
 
 

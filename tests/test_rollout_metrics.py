@@ -1,0 +1,43 @@
+"""The rollout's TensorBoard scalars (training.samples_generator.rollout_metrics): pure logic
+over engine reports, so engines and the pool are stand-ins here."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from war_openrlhf.engine.stats import EngineStats
+from war_openrlhf.training.samples_generator import rollout_metrics
+
+
+def _result():
+    turn = SimpleNamespace(engine=0, start=4)
+    traj = SimpleNamespace(turns=[turn], token_ids=[1, 2, 3, 4, 5, 6], reward=1.0, end_reason="done")
+    return SimpleNamespace(tokens_per_s=10.0, wall_s=1.0, generated_tokens=2, turns=1, prefix_hit_rate=0.5,
+                           redispatched_turns=0, deferrals=0, trajectories=[traj], engine_turns=[1, 0])
+
+
+def _pool():
+    policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None)
+    return SimpleNamespace(policy=policy, engines=[SimpleNamespace(sync_errors=0), SimpleNamespace(sync_errors=1)])
+
+
+def _stats(engine, drafter_p50, drafter_p99, pending, steps=10):
+    war = {"step_trace": {"steps": steps, "drafter_us": {"p50": drafter_p50, "p99": drafter_p99}},
+           "index": {"pending_entries": pending}}
+    return EngineStats(engine=engine, generation_tokens=20, steps=steps, war=war)
+
+
+def test_drafter_step_cost_and_log_backlog_are_reported_per_batch():
+    before = [EngineStats(engine=0), EngineStats(engine=1)]
+    after = [_stats(0, 40.0, 90.0, 3), _stats(1, 55.0, 70.0, 0)]
+    m = rollout_metrics(_result(), _pool(), before, after)
+    assert m["war/drafter_step_us_p50"] == 55.0  # the slowest engine's
+    assert m["war/drafter_step_us_p99"] == 90.0
+    assert m["war/index_pending_entries"] == 3.0
+    assert m["war/index_sync_errors"] == 1.0
+    assert m["war/tokens_per_engine_step"] == pytest.approx(2.0)
+    # engines without a replica (vLLM's own suffix, or no speculation) report neither
+    plain = rollout_metrics(_result(), _pool(), before, [EngineStats(engine=0), EngineStats(engine=1)])
+    assert "war/drafter_step_us_p50" not in plain and "war/index_pending_entries" not in plain
