@@ -272,3 +272,15 @@ def test_recorded_tool_delays_replace_the_configured_ones():
     short = SimpleNamespace(trajectory_id="a", group_id="ga", turns=base.turns, tool_delays_s=[2.0])
     with pytest.raises(ValueError, match="tool_delays_s"):
         simulate([short], "round_robin", _one_engine())
+
+
+def test_measured_drafting_costs_price_speculative_steps():
+    trajs = workload(groups=2, trials=2, turns=3, resp=64)
+    spec = dict(spec_tokens_per_step=2.0, spec_drafted_per_step=4.0)
+    cheap = simulate(trajs, "round_robin", cfg(**spec))
+    costly_preset = get_preset("h100_qwen7b").with_overrides(spec_step_s=5e-3, draft_token_s=1e-4)
+    costly = simulate(trajs, "round_robin", cfg(preset=costly_preset, **spec))
+    plain = simulate(trajs, "round_robin", cfg(preset=costly_preset))
+    assert costly.makespan_s > cheap.makespan_s
+    assert plain.makespan_s == simulate(trajs, "round_robin", cfg()).makespan_s  # no drafts: no drafting cost
+    assert costly.generated_tokens == plain.generated_tokens

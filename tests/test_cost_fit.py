@@ -92,3 +92,29 @@ def test_fit_refuses_too_few_or_empty_runs(tmp_path):
     path.write_text("{\"name\": 1}")
     with pytest.raises(ValueError, match="is not a cost model"):
         get_preset(str(path))
+
+
+def test_spec_costs_are_fitted_on_top_of_the_plain_model():
+    from war_openrlhf.simulation.fit import SpecRun, fit_spec_costs
+
+    base, _ = fit_cost_model(_runs([1e-3, 4e-5, 1e-9, 5e-6, 3e-9], np.random.default_rng(0)), name="t",
+                             kv_capacity_tokens=10**6, max_num_seqs=256, max_num_batched_tokens=4096, block_size=128)
+    rng = np.random.default_rng(3)
+    runs = []
+    for b in (1, 2, 4, 8):
+        for accepted in (0.2, 0.8):
+            steps = 48 * (1 - accepted / 2)
+            plain = StepRun("spec", steps, b * steps, b * steps * 2000, 0, 0.0)
+            drafts, tokens = steps, b * steps * 6
+            t = float(np.dot(plain.features(), [base.step_overhead_s, base.decode_per_seq_s, base.kv_read_per_token_s,
+                                                base.prefill_per_token_s, base.prefill_attn_per_pair_s]))
+            t += 4e-4 * drafts + 2e-5 * tokens
+            runs.append(SpecRun(StepRun("spec", plain.steps, plain.decode_seqs, plain.context_tokens, 0, t), drafts,
+                                tokens))
+    fitted, report = fit_spec_costs(base, runs)
+    assert fitted.spec_step_s == pytest.approx(4e-4, rel=1e-6)
+    assert fitted.draft_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.step_overhead_s == base.step_overhead_s  # the plain costs are kept
+    assert report["max_relative_error"] < 1e-6
+    with pytest.raises(ValueError, match="at least 2 drafting runs"):
+        fit_spec_costs(base, runs[:1])

@@ -175,21 +175,7 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
             if any(x is None or not x.last_token_ts for x in metrics):
                 raise RuntimeError("vLLM returned no per-request timestamps (disable_log_stats must be False)")
             seconds = max(x.last_token_ts for x in metrics) - min(x.scheduled_ts for x in metrics)
-            # vLLM's schedule: prompts prefilled back to back in chunks of `chunk` tokens
-            left, computed, steps, ctx, pairs = [c] * b, [0] * b, 0, 0, 0.0
-            i = 0
-            while i < b:
-                budget = chunk
-                steps += 1
-                while i < b and budget > 0:
-                    n = min(left[i], budget)
-                    pairs += n * (computed[i] + n / 2)
-                    computed[i] += n
-                    ctx += computed[i]
-                    left[i] -= n
-                    budget -= n
-                    if left[i] == 0:
-                        i += 1
+            steps, ctx, pairs = _prefill_work(b, c, chunk)
             ctx += sum(b * (c + k) for k in range(1, m + 1))
             return StepRun("prefill" if m == 0 else "decode", steps + m, b * m, ctx, b * c, seconds, pairs)
 
@@ -207,12 +193,85 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
         _shutdown(llm)
 
 
+def _prefill_work(b, c, chunk):
+    """(steps, context tokens read, attention pairs) of prefilling ``b`` prompts of ``c`` tokens
+    back to back in chunks of ``chunk`` tokens, as vLLM's scheduler does."""
+    left, computed, steps, ctx, pairs = [c] * b, [0] * b, 0, 0, 0.0
+    i = 0
+    while i < b:
+        budget = chunk
+        steps += 1
+        while i < b and budget > 0:
+            n = min(left[i], budget)
+            pairs += n * (computed[i] + n / 2)
+            computed[i] += n
+            ctx += computed[i]
+            left[i] -= n
+            budget -= n
+            if left[i] == 0:
+                i += 1
+    return steps, ctx, pairs
+
+
+def measure_spec_costs(model, max_len, repeats, bind="0", seed=0, k=8):
+    """Runs of a drafting engine (vLLM's ``suffix`` method, K=``k``) with known work: ``b`` fresh
+    prompts of ``c`` tokens, ``m + 1`` tokens each, run once to fill the suffix cache, then
+    measured greedy (drafts mostly accepted) and at temperature 1 (partly): the engine's spec
+    counters give the steps that drafted, the draft tokens verified and the tokens accepted."""
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    from war_openrlhf.metrics.vllm_metrics import spec_decode_counters
+    from war_openrlhf.simulation.fit import SpecRun, StepRun
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
+              enable_prefix_caching=False, disable_log_stats=False,
+              speculative_config={"method": "suffix", "num_speculative_tokens": k})
+    try:
+        chunk = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        rng = np.random.default_rng(seed + 1)
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        m = 48
+
+        def run(batch, temperature):
+            sp = SamplingParams(temperature=temperature, max_tokens=m + 1, ignore_eos=True, seed=seed)
+            before = spec_decode_counters(llm)
+            outs = llm.generate(batch, sp, use_tqdm=False)
+            after = spec_decode_counters(llm)
+            seconds = max(o.metrics.last_token_ts for o in outs) - min(o.metrics.scheduled_ts for o in outs)
+            return seconds, {key: after[key] - before[key] for key in after}
+
+        llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        shapes = [(b, c) for b in (1, 2, 4, 8) for c in (64, 2048) if c < max_len - m - 8]
+        samples = {(b, c, t): [] for b, c in shapes for t in (0.0, 1.0)}
+        for _ in range(repeats):
+            for b, c in shapes:
+                batch = [{"prompt_token_ids": rng.integers(10, vocab - 10, size=c).tolist()} for _ in range(b)]
+                run(batch, 0.0)  # the suffix cache now holds these prompts' greedy outputs
+                for t in (0.0, 1.0):
+                    seconds, d = run(batch, t)
+                    accepted = d["num_accepted_tokens"]
+                    request_steps = b * m - accepted  # each decode request-step yields 1 + accepted
+                    psteps, pctx, pairs = _prefill_work(b, c, chunk)
+                    steps = request_steps / b
+                    plain = StepRun("spec", psteps + steps, request_steps, pctx + request_steps * (c + m / 2),
+                                    b * c, seconds, pairs)
+                    samples[(b, c, t)].append(SpecRun(plain, d["num_drafts"] / b, d["num_draft_tokens"]))
+        return [sorted(v, key=lambda r: r.plain.seconds)[len(v) // 2] for v in samples.values()]
+    finally:
+        _shutdown(llm)
+
+
 def fit_costs(args) -> int:
     """--fit-costs: measure step costs on one engine, fit the simulator's cost model, write it."""
-    from war_openrlhf.simulation.fit import fit_cost_model
+    from war_openrlhf.simulation.fit import fit_cost_model, fit_spec_costs
 
     runs, limits = measure_step_costs(args.model, args.max_len, args.repeats, bind=args.bind)
     model, report = fit_cost_model(runs, name=f"fitted:{args.model.name}", **limits)
+    spec_runs = measure_spec_costs(args.model, args.max_len, args.repeats, bind=args.bind)
+    model, spec_report = fit_spec_costs(model, spec_runs)
+    report["spec"] = spec_report
     rows = [{"kind": r["kind"], "steps": r["steps"], "decode_seqs": r["decode_seqs"],
              "prefill": r["prefill_tokens"], "measured_ms": 1e3 * r["seconds"], "predicted_ms": 1e3 * r["predicted_s"],
              "ratio": r["ratio"]} for r in report["runs"]]
@@ -221,6 +280,14 @@ def fit_costs(args) -> int:
                               ("predicted_ms", "fitted ms", ".1f"), ("ratio", "fitted/measured", ".3f")]))
     print("fitted:", {k: f"{v:.3g}" for k, v in report["costs"].items()}, "limits:", limits,
           f"max relative error {report['max_relative_error']:.1%}")
+    spec_rows = [{"steps": r["steps"], "drafts": r["spec_steps"], "draft_tokens": r["draft_tokens"],
+                  "measured_ms": 1e3 * r["seconds"], "predicted_ms": 1e3 * r["predicted_s"], "ratio": r["ratio"]}
+                 for r in spec_report["runs"]]
+    print(format_table(spec_rows, [("steps", "steps", ".0f"), ("drafts", "drafting steps", ".1f"),
+                                   ("draft_tokens", "draft tokens", ".0f"), ("measured_ms", "measured ms", ".1f"),
+                                   ("predicted_ms", "fitted ms", ".1f"), ("ratio", "fitted/measured", ".3f")]))
+    print("drafting:", {k: f"{v:.3g}" for k, v in spec_report["costs"].items()},
+          f"max relative error {spec_report['max_relative_error']:.1%}")
     out = write_json(args.fit_costs, {"benchmark": "engine_step_costs", "model": str(args.model),
                                       "max_model_len": args.max_len, "cost_model": model.to_dict(), "fit": report})
     print(f"wrote {out}")

@@ -40,8 +40,10 @@ The model
   turn, e.g. those a real-engine run replayed) waits exactly those instead.
 * **Speculation** (optional, as measured on real engines): ``spec_tokens_per_step`` tokens per
   decode step per request on average, and ``spec_drafted_per_step`` draft tokens verified per
-  request-step, each costing a prefill token's compute. The simulator does not predict
-  acceptance; it takes it from a measurement.
+  request-step. A drafting step costs the cost model's ``spec_step_s`` more plus
+  ``draft_token_s`` per draft token when it has them (fitted presets), else a prefill token's
+  compute per draft token. The simulator does not predict acceptance; it takes it from a
+  measurement.
 * **Deferral**: a policy may answer :data:`~war_openrlhf.dispatch.DEFER` for a first turn (KV-
   aware admission); the turn waits in a FIFO and is offered again whenever a turn finishes.
   Deferring a later turn, or leaving deferred turns when nothing is running, raises
@@ -494,8 +496,14 @@ class _Engine:
             raise ConservationError(f"engine {self.eid}: work queued but nothing schedulable "
                                     f"(running {len(self.running)}, waiting {len(self.waiting)})")
         self.sched = sched
-        # a verified draft token costs the forward compute of a decoded one
-        dur = self.cost.step_time(n_dec, ctx_tokens, prefill + n_dec * self.spec_drafted, pairs)
+        dur = self.cost.step_time(n_dec, ctx_tokens, prefill, pairs)
+        if n_dec and self.spec_drafted:
+            cost = self.cost
+            drafts = n_dec * self.spec_drafted
+            if cost.spec_step_s or cost.draft_token_s:  # measured costs of drafting steps
+                dur += cost.spec_step_s + cost.draft_token_s * drafts
+            else:  # a verified draft token costs a prefill token's compute
+                dur += cost.prefill_per_token_s * drafts
         self.busy_s += dur
         return dur
 

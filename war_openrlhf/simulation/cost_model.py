@@ -86,12 +86,17 @@ class CostModel:
     # token pairs on average. Negligible on a GPU at these lengths (0 in the analytic presets);
     # on a CPU engine a 16k-token prefill costs ~3x its linear part, so fitted presets have it.
     prefill_attn_per_pair_s: float = 0.0
+    # Speculative decoding: a step that verifies drafts pays ``spec_step_s`` more (proposer,
+    # rejection sampler, bookkeeping) and ``draft_token_s`` per verified draft token. 0: a draft
+    # token costs a prefill token and a drafting step nothing more (the analytic presets).
+    spec_step_s: float = 0.0
+    draft_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"CostModel.block_size must be a positive multiple of 16, got {self.block_size!r}")
         for field in ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s",
-                      "prefill_per_token_s", "prefill_attn_per_pair_s"):
+                      "prefill_per_token_s", "prefill_attn_per_pair_s", "spec_step_s", "draft_token_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"CostModel.{field} must be >= 0, got {getattr(self, field)!r}")
         if self.kv_capacity_tokens < self.block_size:

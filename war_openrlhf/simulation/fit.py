@@ -17,14 +17,14 @@ run counts as much as a 2 s prefill. The report gives each run's predicted / mea
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from .cost_model import CostModel
 
-__all__ = ["StepRun", "fit_cost_model"]
+__all__ = ["StepRun", "SpecRun", "fit_cost_model", "fit_spec_costs"]
 
 _COSTS = ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_token_s",
           "prefill_attn_per_pair_s")
@@ -44,6 +44,41 @@ class StepRun:
 
     def features(self) -> list[float]:
         return [self.steps, self.decode_seqs, self.context_tokens, self.prefill_tokens, self.prefill_pairs]
+
+
+@dataclass(frozen=True)
+class SpecRun:
+    """A measured run of a drafting engine: its plain work (as :class:`StepRun`), the steps
+    that verified drafts and the draft tokens verified, and its wall time."""
+
+    plain: StepRun
+    spec_steps: float
+    draft_tokens: float
+
+
+def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun]) -> tuple[CostModel, dict[str, Any]]:
+    """``model`` with ``spec_step_s`` and ``draft_token_s`` fitted to drafting runs: what each
+    run took beyond ``model``'s price of its plain work (non-negative least squares on
+    relative error, as :func:`fit_cost_model`)."""
+    if len(runs) < 2:
+        raise ValueError(f"runs: need at least 2 drafting runs to fit 2 costs, got {len(runs)}")
+    base = np.array([np.dot(r.plain.features(), [getattr(model, c) for c in _COSTS]) for r in runs])
+    y = np.array([r.plain.seconds for r in runs])
+    a = np.array([[r.spec_steps, r.draft_tokens] for r in runs], dtype=np.float64)
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    x = _nnls((a / scale) / y[:, None], (y - base) / y) / scale
+    fitted = replace(model, spec_step_s=float(x[0]), draft_token_s=float(x[1]))
+    predicted = base + a @ x
+    ratios = predicted / y
+    report = {
+        "costs": {"spec_step_s": float(x[0]), "draft_token_s": float(x[1])},
+        "runs": [{**asdict(r.plain), "spec_steps": r.spec_steps, "draft_tokens": r.draft_tokens,
+                  "predicted_s": float(p), "ratio": round(float(q), 4)} for r, p, q in zip(runs, predicted, ratios)],
+        "max_relative_error": round(float(np.max(np.abs(ratios - 1.0))), 4),
+        "median_relative_error": round(float(np.median(np.abs(ratios - 1.0))), 4),
+    }
+    return fitted, report
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

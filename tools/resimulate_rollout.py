@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Re-run the simulator on a finished ``bench_rollout.py`` trace benchmark with another cost
+model: the same trajectories, delays, KV and measured speculation as the run, no engines.
+Writes the run's JSON again with ``simulated`` (and the per-config columns) replaced.
+
+    python tools/resimulate_rollout.py results/bench_rollout_traces_report_p2_sim.json \\
+        --cost-model results/cost_cpu_peaked.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path)
+    ap.add_argument("--cost-model", required=True)
+    ap.add_argument("--traces-root", type=Path, default=None,
+                    help="directory the run's relative traces path is resolved from (default: the current one)")
+    args = ap.parse_args(argv)
+    import bench_rollout as br
+    from transformers import AutoTokenizer
+
+    d = json.loads(args.json.read_text())
+    workload = d.get("workload") or ""
+    if not workload.startswith("traces:"):
+        raise SystemExit(f"{args.json}: workload {workload!r} is not a trace workload")
+    if args.traces_root is not None:
+        workload = "traces:" + str(args.traces_root / workload.split(":", 1)[1])
+    cmd = d["command"].split()
+    opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}
+    rows, _ = br.load_traces(workload, d["split"], int(opt.get("--max-groups", 0)) or None, int(opt.get("--seed", 0)),
+                             float(opt.get("--tool-latency", 0.05)), float(opt.get("--tool-jitter", 0.5)),
+                             float(opt.get("--per-env-token", 0.0)))
+    tok = AutoTokenizer.from_pretrained(d["model"])
+    sim = br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], int(opt.get("--seed", 0))),
+                              args.cost_model, d["engines"], d["kv_tokens_per_engine"], d["configs"])
+    d["simulated"] = {c: v["x_openrlhf"] for c, v in sim.items()}
+    d["cost_model"] = args.cost_model
+    print("| config | measured x openrlhf | simulated x openrlhf | simulated / measured | simulated step s |")
+    print("|---|---:|---:|---:|---:|")
+    for c, v in sim.items():
+        s = d["configs"][c]
+        s["simulated_step_s"], s["simulated_x_openrlhf"] = v["step_s"], v["x_openrlhf"]
+        s["simulated_over_measured"] = round(v["x_openrlhf"] / s["x_openrlhf"], 3) if s.get("x_openrlhf") else None
+        print(f"| {c} | {s['x_openrlhf']:.2f} | {v['x_openrlhf']:.2f} | {s['simulated_over_measured']:.3f} | "
+              f"{v['step_s']:.1f} |")
+    args.json.write_text(json.dumps(d, indent=1, default=str))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
