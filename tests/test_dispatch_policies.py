@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -29,8 +31,8 @@ def toks(*parts):
 
 
 # ---------------------------------------------------------------- registry / configuration
-def test_registry_has_five_policies():
-    assert set(POLICIES) == {"round_robin", "least_loaded", "sticky", "sglang_cache_aware", "war"}
+def test_registry_has_six_policies():
+    assert set(POLICIES) == {"round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv", "war"}
     for name in POLICIES:
         assert make_policy(name, 3).name == name
 
@@ -465,3 +467,49 @@ def test_war_counts_cached_prefixes_in_the_engines_own_blocks():
     assert pol.estimated_cached_tokens(1, ctx) == 300 // 128 * 128
     with pytest.raises(ValueError, match="kv_block_size"):
         EngineState(0, 0, 0, 0, 1024, kv_block_size=0)
+
+
+# ---------------------------------------------------------------- Dynamo's KV router
+def _dynamo_reference(isl, overlap_blocks, prefill_tokens, decode_blocks, block_size=16, weight=1.0):
+    """selector.rs, DefaultWorkerSelector::select_worker, for one worker."""
+    new_tokens = isl - overlap_blocks * block_size
+    return weight * (prefill_tokens + new_tokens) / block_size + decode_blocks
+
+
+def test_dynamo_logits_are_its_selectors_formula():
+    pol = make_policy("dynamo_kv", 3)
+    prompt = np.arange(1000, 1000 + 640, dtype=np.int32)
+    assert pol.choose(req("a", prompt, group="G"), states([0, 0, 0])) in (0, 1, 2)  # all tied: random
+    first = pol.choose(req("b", toks(prompt, [1, 2, 3]), group="G"), states([0, 0, 0]))
+    a_engine = pol._active["a"][0]
+    # b shares a's 640-token prompt: on a's engine 40 blocks are cached, 40 blocks active
+    lg = pol.last_logits
+    assert lg[a_engine] == pytest.approx(_dynamo_reference(643, 40, 640, 40))
+    other = next(i for i in range(3) if i != a_engine)
+    assert lg[other] == pytest.approx(_dynamo_reference(643, 0, 0, 0))
+    assert lg[first] == min(lg.values())
+    # finished turns release their prefill and blocks; the cache stays
+    pol.on_turn_finished(req("a", prompt), a_engine, np.arange(16))
+    pol.on_turn_finished(req("b", toks(prompt, [1, 2, 3])), first, np.arange(16))
+    assert pol.prefill_tokens == [0, 0, 0] and all(pol.decode_blocks(i) == 0 for i in range(3))
+    assert pol.estimated_cached_tokens(a_engine, prompt) == 640
+
+
+def test_dynamo_counts_in_the_engines_blocks_and_breaks_ties_reproducibly():
+    coarse = [EngineState(i, 0, 0, 0, 1 << 20, 0, True, kv_block_size=128) for i in range(2)]
+    picks = []
+    for _ in range(2):
+        pol = make_policy("dynamo_kv", 2, seed=7)
+        picks.append([pol.choose(req(f"t{i}", np.arange(i * 1000, i * 1000 + 300)), coarse) for i in range(6)])
+    assert picks[0] == picks[1]  # seeded tie-breaks replay
+    pol = make_policy("dynamo_kv", 2)
+    pol.choose(req("x", np.arange(300)), coarse)
+    eng = pol._active["x"][0]
+    assert pol.decode_blocks(eng) == 300 // 128  # whole 128-token blocks of the prompt
+    with pytest.raises(ValueError, match="overlap_score_weight"):
+        make_policy("dynamo_kv", 2, overlap_score_weight=-1)
+    # temperature > 0 samples every engine sometimes, the cheaper more often
+    pol = make_policy("dynamo_kv", 2, router_temperature=1.0, seed=0)
+    pol.prefill_tokens = [0, 4096]
+    counts = Counter(pol._sample({0: 0.0, 1: 10.0}) for _ in range(400))
+    assert counts[0] > counts[1] > 0

@@ -50,7 +50,7 @@ from war_openrlhf.simulation.cost_model import get_preset  # noqa: E402
 from war_openrlhf.traces import (Turn, TokenizedTrajectory, group_trajectories,  # noqa: E402
                                  load_chat_traces, tokenize_traces)
 
-POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "war"]
+POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv", "war"]
 LOADS = {"low": 4, "high": 32}  # trajectories per engine
 SALT_BASE = 200_000  # above the Qwen2.5 vocabulary (151,665 ids)
 

@@ -1,4 +1,4 @@
-"""Turn dispatch for multi-engine agentic rollouts: one interface, five policies.
+"""Turn dispatch for multi-engine agentic rollouts: one interface, six policies.
 
 ``make_policy(name, num_engines, **kwargs)`` builds one of:
 
@@ -7,6 +7,8 @@
   requests (heap over a snapshot, load += n), all its turns stay there.
 - ``sticky``: verl -- LRU(10000) trajectory -> engine, new ones to the fewest in-flight.
 - ``sglang_cache_aware``: SGLang router ``cache_aware`` over token ids.
+- ``dynamo_kv``: NVIDIA Dynamo's KV router cost (overlap-weighted prefill blocks + active
+  decode blocks, lowest wins).
 - ``war``: WAR's cache- and queue-aware placement with hysteresis, a tail bias and KV-aware
   admission of new trajectories (it may answer ``DEFER`` for a first turn).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Dict, Type
 
 from .base import DEFER, DispatchPolicy, EngineState, NoHealthyEngineError, TurnRequest
+from .dynamo_kv import DynamoKvPolicy
 from .least_loaded import LeastLoadedPolicy
 from .round_robin import RoundRobinPolicy
 from .sglang_cache_aware import SGLangCacheAwarePolicy
@@ -25,7 +28,7 @@ from .war import WarDispatchPolicy
 POLICIES: Dict[str, Type[DispatchPolicy]] = {
     cls.name: cls
     for cls in (RoundRobinPolicy, LeastLoadedPolicy, StickyPolicy, SGLangCacheAwarePolicy,
-                WarDispatchPolicy)
+                DynamoKvPolicy, WarDispatchPolicy)
 }
 
 
@@ -49,5 +52,5 @@ def make_policy(name: str, num_engines: int, **kwargs) -> DispatchPolicy:
 
 
 __all__ = ["DEFER", "DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
-           "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy",
+           "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy", "DynamoKvPolicy",
            "SGLangCacheAwarePolicy", "WarDispatchPolicy"]
