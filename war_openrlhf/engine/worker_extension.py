@@ -218,11 +218,10 @@ class WarWorkerExtension:
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             now = time.perf_counter()
             cache = getattr(worker, "_war_suffix_cache", None)
+            drafts = _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             if cache is not None:
-                drafts = _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
                 worker._war_trace.record(now, time.perf_counter())
-                return drafts
-            return _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+            return drafts
 
         def _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             if cache is not None and cache.index.has_pending_work:

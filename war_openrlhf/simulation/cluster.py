@@ -81,7 +81,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
-from ..dispatch.block_index import BLOCK_SIZE, chain_hashes
+from ..dispatch.block_index import BLOCK_SIZE, chain_hashes, coarse_chain
 from .cost_model import CostModel, get_preset
 
 __all__ = ["SimConfig", "SimResult", "ConservationError", "Ledger", "ClusterSimulator",
@@ -233,9 +233,7 @@ class _Traj:
         key = (id(self.hash_lists[turn]), block_size)
         out = self._coarse.get(key)
         if out is None:
-            k = block_size // BLOCK_SIZE
-            out = self.hash_lists[turn][k - 1 :: k]
-            self._coarse[key] = out
+            out = self._coarse[key] = coarse_chain(self.hash_lists[turn], block_size)
         return out
 
 
