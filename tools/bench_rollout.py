@@ -448,7 +448,11 @@ def main(argv=None):
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
                "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
                "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
-               "calibration": calibration, "configs": summary, "runs": results, **extra}
+               "calibration": calibration, "configs": summary, "runs": results,
+               # what re-creates the trace workload (tools/resimulate_rollout.py reads it)
+               "trace_args": {"max_groups": args.max_groups, "seed": args.seed, "tool_latency": args.tool_latency,
+                              "tool_jitter": args.tool_jitter, "per_env_token": args.per_env_token},
+               **extra}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 

@@ -35,13 +35,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.json}: workload {workload!r} is not a trace workload")
     if args.traces_root is not None:
         workload = "traces:" + str(args.traces_root / workload.split(":", 1)[1])
-    cmd = d["command"].split()
-    opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}
-    rows, _ = br.load_traces(workload, d["split"], int(opt.get("--max-groups", 0)) or None, int(opt.get("--seed", 0)),
-                             float(opt.get("--tool-latency", 0.05)), float(opt.get("--tool-jitter", 0.5)),
-                             float(opt.get("--per-env-token", 0.0)))
+    ta = d.get("trace_args")
+    if ta is None:  # a run written before bench_rollout recorded them: its command line has them
+        cmd = d["command"].split()
+        opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}
+        ta = {"max_groups": int(opt.get("--max-groups", 0)) or None, "seed": int(opt.get("--seed", 0)),
+              "tool_latency": float(opt.get("--tool-latency", 0.05)), "tool_jitter": float(opt.get("--tool-jitter", 0.5)),
+              "per_env_token": float(opt.get("--per-env-token", 0.0))}
+    rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"], ta["tool_jitter"],
+                             ta["per_env_token"])
     tok = AutoTokenizer.from_pretrained(d["model"])
-    sim = br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], int(opt.get("--seed", 0))),
+    sim = br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], ta["seed"]),
                               args.cost_model, d["engines"], d["kv_tokens_per_engine"], d["configs"])
     d["simulated"] = {c: v["x_openrlhf"] for c, v in sim.items()}
     d["cost_model"] = args.cost_model
