@@ -284,3 +284,37 @@ def test_measured_drafting_costs_price_speculative_steps():
     assert costly.makespan_s > cheap.makespan_s
     assert plain.makespan_s == simulate(trajs, "round_robin", cfg()).makespan_s  # no drafts: no drafting cost
     assert costly.generated_tokens == plain.generated_tokens
+
+
+def test_critical_path_accounts_for_the_last_trajectory_exactly():
+    """A trajectory is a chain: its end is its admission wait + every turn's queue, prefill and
+    decode + every tool call, so the parts of the reported critical path must sum to its end,
+    and the step's makespan is that end."""
+    trajs = workload(groups=6, trials=2, turns=5, prompt_len=700, resp=40, env=60)
+    for pol in ("least_loaded", "war", "round_robin"):
+        kw = {"n_samples_per_prompt": 2} if pol == "least_loaded" else {}
+        r = simulate(trajs, pol, cfg(num_engines=3, kv_capacity_tokens=2048), **kw)
+        (cp,) = r.critical_paths
+        parts = (cp["admission_wait_s"] + cp["tool_s"] + cp["queue_s"] + cp["prefill_s"]
+                 + cp["decode_s"])
+        assert parts == pytest.approx(cp["end_s"], rel=1e-9, abs=1e-12)
+        assert cp["end_s"] == pytest.approx(r.makespan_s)
+        assert 0 <= cp["engine"] < 3 and cp["turns"] == 5
+        assert cp["dominant"] in ("admission_wait_s", "tool_s", "queue_s", "prefill_s", "decode_s")
+
+
+def test_cache_reset_between_steps_and_warmup_steps():
+    """Step 2 replays step 1's prompts: with caches kept it hits them, after a weight sync
+    (the default) it cannot; a warm-up step is run but not counted."""
+    base = workload(groups=2, trials=2, turns=2, prompt_len=1024, resp=16, env=16)
+    # the same prompts again under other ids, as a second step
+    again = [TokenizedTrajectory(t.trajectory_id + "b", t.group_id + "b", t.turns) for t in base]
+    kw = dict(num_engines=1, steps=2, warmup_steps=1)
+    kept = simulate(base + again, "sticky", cfg(reset_cache_each_step=False, **kw))
+    reset = simulate(base + again, "sticky", cfg(**kw))
+    assert kept.hit_rate > reset.hit_rate + 0.3
+    assert kept.trajectories == reset.trajectories == len(again)
+    assert reset.generated_tokens == sum(len(x.response_token_ids) for t in again for x in t.turns)
+    assert len(reset.step_makespans_s) == 1 and reset.makespan_s == reset.step_makespans_s[0]
+    with pytest.raises(ValueError, match="warmup_steps"):
+        simulate(base, "sticky", cfg(steps=1, warmup_steps=1))

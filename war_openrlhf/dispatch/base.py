@@ -116,6 +116,17 @@ class DispatchPolicy(abc.ABC):
     def start_batch(self) -> None:
         """A new synchronous rollout batch starts (OpenRLHF's placement re-snapshots load here)."""
 
+    def on_prefix_cache_reset(self) -> None:
+        """Every engine's prefix cache was emptied (a weight sync: KV computed with the old
+        weights is invalid). Policies that model the engines' caches forget them here."""
+
+    def observe_turn(self, engine_id: int, *, prompt_tokens: int, cached_tokens: int,
+                     response_tokens: int, latency_s: float, batch: int) -> None:
+        """A measurement of a finished turn: its prompt, how much of it the engine found in its
+        prefix cache, its response, the seconds from dispatch to the last token, and the
+        engine's in-flight requests when it was dispatched. Policies that cost decisions in
+        time fit their rates from these; the others ignore them."""
+
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> Optional[int]:
         """How many leading tokens of ``context`` this policy believes ``engine_id`` holds in its
         prefix cache; ``None`` when the policy keeps no model of the engines' caches."""

@@ -179,6 +179,8 @@ class RolloutPool:
                 continue
             eng = self.engines[eid]
             budget = int(sampling_params.get("max_tokens", 0))
+            batch = eng.in_flight
+            t_sent = time.perf_counter()
             eng.in_flight += 1
             eng.queued_tokens += budget
             attempts += 1
@@ -198,6 +200,10 @@ class RolloutPool:
             self._tokens_generated += len(out["token_ids"])
             response = np.asarray(out["token_ids"], dtype=np.int32)
             self.policy.on_turn_finished(request, eid, response)
+            self.policy.observe_turn(eid, prompt_tokens=len(ctx),
+                                     cached_tokens=int(out.get("num_cached_tokens", 0)),
+                                     response_tokens=len(response),
+                                     latency_s=time.perf_counter() - t_sent, batch=batch)
             self.log.append(CompletedSequence.create(trajectory_id, group_id, self.policy_version, ctx, response))
             await self._notify()
             return out
@@ -278,6 +284,8 @@ class RolloutPool:
         """New weights: later records carry the new version (the index can age out old ones)."""
         self.policy_version = self.policy_version + 1 if version is None else int(version)
         self.log.advance_policy_version(self.policy_version)
+        # a weight sync resets the engines' prefix caches: the dispatcher's model of them goes too
+        self.policy.on_prefix_cache_reset()
         return self.policy_version
 
     # ------------------------------------------------------------------ batches

@@ -50,8 +50,17 @@ The model
   :class:`ConservationError`.
 * **GRPO steps**: the trials of a task form a group; ``config.steps`` synchronous steps each
   take a contiguous slice of the groups, start all their trajectories at the step's start and
-  end when the last one ends; engines keep their caches across steps. A policy with
-  ``start_batch()`` is told at each step start (least_loaded re-snapshots load there).
+  end when the last one ends. Between steps the weight sync empties every engine's prefix
+  cache (``reset_cache_each_step``; the policy hears ``on_prefix_cache_reset()``); policies
+  keep the rest of their state. A policy with ``start_batch()`` is told at each step start
+  (least_loaded re-snapshots load there). The first ``warmup_steps`` steps are run but not
+  measured: a policy that learns online is then measured as in a running job, not cold.
+* **Measurements for policies**: after each turn the policy hears ``observe_turn`` (prompt,
+  cached prompt tokens, response tokens, dispatch-to-last-token latency, the engine's
+  requests at dispatch) -- what a real pool measures per turn.
+* **Critical path**: per measured step, the trajectory that finished last, with its time
+  split into admission wait, tool calls, queueing, prefill and decode, and its last engine's
+  busy time against the mean (``SimResult.critical_paths``).
 * **EngineState** per engine: ``running``, ``waiting``, ``queued_tokens`` (remaining prefill +
   remaining decode tokens of its queued and running requests -- the decode part uses the
   recorded response lengths, an oracle an engine would replace by an estimate; a waiting
@@ -104,6 +113,12 @@ class SimConfig:
     delay_jitter: float = 0.5
     steps: int = 1
     seed: int = 0
+    # Weight sync between steps empties every engine's prefix cache (OpenRLHF and WAR reset it:
+    # KV computed with the old weights is invalid); False keeps caches across steps.
+    reset_cache_each_step: bool = True
+    # The first ``warmup_steps`` steps run but are not measured (metrics cover the rest): the
+    # state a policy carries from one RL step to the next is then that of a running job.
+    warmup_steps: int = 0
     # Speculative decoding, as measured: a decoding request advances this many tokens per
     # step on average (1: none) and each step verifies this many draft tokens per request.
     spec_tokens_per_step: float = 1.0
@@ -133,6 +148,9 @@ class SimConfig:
             raise ValueError(f"delay_jitter must be in [0, 1), got {self.delay_jitter!r}")
         if not isinstance(self.steps, int) or self.steps <= 0:
             raise ValueError(f"steps must be a positive int, got {self.steps!r}")
+        if not isinstance(self.warmup_steps, int) or not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(f"warmup_steps must be an int in [0, steps={self.steps}), "
+                             f"got {self.warmup_steps!r}")
         try:
             return cost.with_overrides(kv_capacity_tokens=self.kv_capacity_tokens,
                                        max_num_seqs=self.max_num_seqs,
@@ -164,6 +182,8 @@ class SimResult:
     deferrals: int = 0  # choose() calls that returned DEFER (KV-aware admission)
     busy_s: List[float] = field(default_factory=list)
     step_makespans_s: List[float] = field(default_factory=list)
+    # Per synchronous step: the trajectory that finished last and where its time went.
+    critical_paths: List[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -333,7 +353,8 @@ class Ledger:
 class _Req:
     __slots__ = ("traj", "turn", "key", "ctx_len", "resp_len", "hl", "n_ctx_blocks",
                  "n_cacheable", "hit", "prefill_left", "computed", "generated", "pinned", "anon",
-                 "next_block", "queued", "t_dispatch", "request", "credit")
+                 "next_block", "queued", "t_dispatch", "t_admit", "t_prefilled", "request",
+                 "credit", "batch")
 
     def __init__(self, traj: _Traj, turn: int, request: TurnRequest, now: float, block_size: int = BLOCK_SIZE) -> None:
         self.traj = traj
@@ -353,8 +374,10 @@ class _Req:
         self.next_block = 0
         self.queued = 0  # this request's contribution to the engine's queued_tokens
         self.t_dispatch = now
+        self.t_admit = self.t_prefilled = now  # set when admitted / when its prefill ends
         self.request = request
         self.credit = 0.0  # fractional tokens per step under speculation
+        self.batch = 0  # the engine's requests (running + waiting) when this one was queued
 
 
 class _Engine:
@@ -383,6 +406,13 @@ class _Engine:
         while i < limit and hl[i] in blocks:
             i += 1
         return i
+
+    def reset_cache(self) -> None:
+        """Empty the prefix cache (a weight sync); only between steps, when nothing is pinned."""
+        if self.pinned_blocks() or self.running or self.waiting:
+            raise ConservationError(f"engine {self.eid}: cache reset with work in flight")
+        self.blocks.clear()
+        self.evictable.clear()
 
     def pinned_blocks(self) -> int:
         return len(self.blocks) - len(self.evictable) + self.anon
@@ -456,8 +486,8 @@ class _Engine:
         self.queued_tokens += r.queued
         self.waiting.append(r)
 
-    def plan_step(self) -> float:
-        """Choose this step's work; return its duration."""
+    def plan_step(self, now: float = 0.0) -> float:
+        """Choose this step's work (starting at ``now``); return its duration."""
         budget = self.cost.max_num_batched_tokens
         sched: List[Tuple[_Req, int]] = []
         n_dec = ctx_tokens = prefill = 0
@@ -483,6 +513,7 @@ class _Engine:
             if not self.try_admit(r):
                 break
             self.waiting.popleft()
+            r.t_admit = now
             self.running.append(r)
             c = min(r.prefill_left, budget)
             sched.append((r, c))
@@ -505,7 +536,7 @@ class _Engine:
         self.busy_s += dur
         return dur
 
-    def finish_step(self, ledger: Ledger) -> List[_Req]:
+    def finish_step(self, ledger: Ledger, now: float = 0.0) -> List[_Req]:
         done: List[_Req] = []
         for r, c in self.sched:
             emit = False
@@ -516,6 +547,7 @@ class _Engine:
                 self.queued_tokens -= c
                 self.publish(r, min(r.computed // self.bs, r.n_ctx_blocks))
                 if r.prefill_left == 0:
+                    r.t_prefilled = now
                     if r.resp_len > 0:
                         emit = True
                     else:
@@ -554,6 +586,27 @@ class _Engine:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
+def _critical_path(paths: List[dict], engines: List["_Engine"], busy_at_start: List[float]) -> dict:
+    """The step's critical path: the trajectory that finished last, its time split into
+    admission wait (deferred first turn), tool calls, queueing for a batch slot or KV, prefill
+    and decode, and how busy its last engine was compared with the others in this step. A
+    straggler whose ``queue_s`` or ``prefill_s`` is large lost the step to placement; one
+    whose ``tool_s`` + ``decode_s`` is nearly its whole span was bound by its own length."""
+    last = max(paths, key=lambda p: p["end_s"])
+    busy = [e.busy_s - b for e, b in zip(engines, busy_at_start)]
+    out = dict(last)
+    out.pop("start_s", None)
+    eid = last["engine"]
+    mean_busy = float(np.mean(busy)) if busy else 0.0
+    out["engine_busy_s"] = busy[eid] if 0 <= eid < len(busy) else 0.0
+    out["engine_busy_over_mean"] = out["engine_busy_s"] / mean_busy if mean_busy > 0 else 1.0
+    spans = {k: last[k] for k in ("admission_wait_s", "tool_s", "queue_s", "prefill_s",
+                                  "decode_s")}
+    out["dominant"] = max(spans, key=spans.get)
+    return out
+
+
+
 _STEP, _ARRIVE = 0, 1
 
 
@@ -610,6 +663,11 @@ class ClusterSimulator:
         last_engine: Dict[str, int] = {}
         tokens_so_far: Dict[str, int] = {}
         step_spans: List[float] = []
+        generated = 0
+        busy_measured: List[float] = []
+        evicted_measured = 0
+        paths: Dict[str, dict] = {}
+        critical: List[dict] = []
         now = 0.0
         seq = 0
         perf = time.perf_counter
@@ -617,12 +675,25 @@ class ClusterSimulator:
         for s in range(nsteps):
             step_trajs = [t for g in glist[bounds[s]:bounds[s + 1]] for t in g]
             t0 = now
+            measured = s >= cfg.warmup_steps
+            if s > 0 and cfg.reset_cache_each_step:
+                for e in engines:
+                    e.reset_cache()
+                pol.on_prefix_cache_reset()
+            if s == cfg.warmup_steps:
+                busy_measured = [e.busy_s for e in engines]
+                evicted_measured = sum(e.evicted for e in engines)
+            busy_at_start = [e.busy_s for e in engines]
             pol.start_batch()
             heap: List[tuple] = []
             for t in step_trajs:
                 heap.append((t0, seq, _ARRIVE, t, 0))
                 seq += 1
                 tokens_so_far[t.tid] = 0
+                paths[t.tid] = {"trajectory": t.tid, "turns": t.turns, "engine": -1,
+                                "start_s": None, "end_s": 0.0, "admission_wait_s": 0.0,
+                                "tool_s": 0.0, "queue_s": 0.0, "prefill_s": 0.0,
+                                "decode_s": 0.0, "prefill_tokens": 0}
             heapq.heapify(heap)
             live = len(step_trajs)
             deferred: deque = deque()  # first turns the policy deferred (FIFO)
@@ -636,22 +707,28 @@ class ClusterSimulator:
                 states = [e.state() for e in engines]
                 c0 = perf()
                 eid = pol.choose(req, states)
-                decision_s.append(perf() - c0)
+                if measured:
+                    decision_s.append(perf() - c0)
                 if eid == DEFER:
                     if turn != 0:
                         raise ConservationError(f"policy deferred turn {turn} of {traj.tid!r}: "
                                                 f"only first turns may be deferred")
-                    deferrals += 1
+                    if measured:
+                        deferrals += 1
                     return False
                 if not (isinstance(eid, (int, np.integer)) and 0 <= eid < E):
                     raise ConservationError(f"policy returned engine {eid!r}")
                 eid = int(eid)
-                if turn > 0 and eid != prev:
+                if turn > 0 and eid != prev and measured:
                     engine_changes += 1
                 eng = engines[eid]
-                eng.enqueue(_Req(traj, turn, req, now, eng.bs))
+                if turn == 0:
+                    paths[traj.tid]["admission_wait_s"] = now - t0
+                r = _Req(traj, turn, req, now, eng.bs)
+                r.batch = len(eng.running) + len(eng.waiting)
+                eng.enqueue(r)
                 if eng.sched is None:
-                    dur = eng.plan_step()
+                    dur = eng.plan_step(now)
                     heapq.heappush(heap, (now + dur, seq, _STEP, eid, 0))
                     seq += 1
                 return True
@@ -669,14 +746,25 @@ class ClusterSimulator:
                 else:
                     eng = engines[a]
                     finished_any = False
-                    for r in eng.finish_step(ledger):
+                    for r in eng.finish_step(ledger, now):
                         finished_any = True
-                        prompt_tokens += r.ctx_len
-                        cached_tokens += r.hit
-                        turn_lat.append(now - r.t_dispatch)
+                        if measured:
+                            prompt_tokens += r.ctx_len
+                            cached_tokens += r.hit
+                            generated += r.resp_len
+                            turn_lat.append(now - r.t_dispatch)
                         ledger.turn_finished(r.key)
                         traj = r.traj
+                        acc = paths[traj.tid]
+                        acc["queue_s"] += r.t_admit - r.t_dispatch
+                        acc["prefill_s"] += r.t_prefilled - r.t_admit
+                        acc["decode_s"] += now - r.t_prefilled
+                        acc["prefill_tokens"] += r.ctx_len - r.hit
+                        acc["engine"] = eng.eid
                         pol.on_turn_finished(r.request, eng.eid, traj.resp_ids[r.turn])
+                        pol.observe_turn(eng.eid, prompt_tokens=r.ctx_len, cached_tokens=r.hit,
+                                         response_tokens=r.resp_len,
+                                         latency_s=now - r.t_dispatch, batch=r.batch)
                         last_engine[traj.tid] = eng.eid
                         tokens_so_far[traj.tid] += r.resp_len
                         if r.turn + 1 < traj.turns:
@@ -686,14 +774,16 @@ class ClusterSimulator:
                             else:
                                 delay = ((cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn])
                                          * jitter[traj.tid][r.turn])
+                            acc["tool_s"] += delay
                             heapq.heappush(heap, (now + delay, seq, _ARRIVE, traj, r.turn + 1))
                             seq += 1
                         else:
+                            acc["end_s"] = now - t0
                             ledger.trajectory_finished(traj.tid)
                             pol.on_trajectory_finished(traj.tid)
                             live -= 1
                     if eng.running or eng.waiting:
-                        dur = eng.plan_step()
+                        dur = eng.plan_step(now)
                         heapq.heappush(heap, (now + dur, seq, _STEP, eng.eid, 0))
                         seq += 1
                     while finished_any and deferred:
@@ -706,6 +796,9 @@ class ClusterSimulator:
             if live != 0:
                 raise ConservationError(f"step {s}: {live} trajectories never finished")
             step_spans.append(now - t0)
+            if measured:
+                critical.append(_critical_path([paths[t.tid] for t in step_trajs], engines,
+                                           busy_at_start))
 
         outstanding = sum(len(e.running) + len(e.waiting) for e in engines)
         pinned = sum(e.pinned_blocks() for e in engines)
@@ -715,15 +808,15 @@ class ClusterSimulator:
                 raise ConservationError(f"engine {e.eid}: queued_tokens {e.queued_tokens}, "
                                         f"pending_turns {e.pending_turns} after the run")
 
-        makespan = float(sum(step_spans))
-        generated = int(sum(ledger.generated.values()))
-        busy = [e.busy_s for e in engines]
+        makespan = float(sum(step_spans[cfg.warmup_steps:]))
+        busy = [e.busy_s - b for e, b in zip(engines, busy_measured)]
         mean_busy = float(np.mean(busy))
-        o_cached, o_total = oracle_hit_rate(trajs, self.cost.block_size)
+        measured_trajs = [t for g in glist[bounds[cfg.warmup_steps]:] for t in g]
+        o_cached, o_total = oracle_hit_rate(measured_trajs, self.cost.block_size)
         return SimResult(
             policy=getattr(pol, "name", type(pol).__name__),
             num_engines=E,
-            trajectories=len(trajs),
+            trajectories=len(measured_trajs),
             turns=len(turn_lat),
             makespan_s=makespan,
             generated_tokens=generated,
@@ -737,11 +830,12 @@ class ClusterSimulator:
             turn_latency_p99_s=_percentile(turn_lat, 99),
             decision_p50_us=_percentile(decision_s, 50) * 1e6,
             decision_p99_us=_percentile(decision_s, 99) * 1e6,
-            evicted_blocks=int(sum(e.evicted for e in engines)),
+            evicted_blocks=int(sum(e.evicted for e in engines) - evicted_measured),
             engine_changes=engine_changes,
             deferrals=deferrals,
             busy_s=busy,
-            step_makespans_s=step_spans,
+            step_makespans_s=step_spans[cfg.warmup_steps:],
+            critical_paths=critical,
         )
 
 
