@@ -222,10 +222,12 @@ def test_deferral_rules_are_enforced():
 
 def test_war_admission_under_kv_pressure_conserves_and_raises_hits():
     # 16 trajectories of ~1.3k tokens on 2 engines holding 2k tokens each: far over-committed.
-    trajs = workload(groups=8, trials=2, turns=5, prompt_len=512, resp=64, env=96)
-    c = cfg(kv_capacity_tokens=2048, tool_delay_s=0.01, per_env_token_s=1e-5)
-    on = simulate(trajs, "war", c, admit_min_live=1, admit_busy_batch=1)
-    off = simulate(trajs, "war", c, admit_kv_ratio=None)
+    # A warm-up step lets war measure the workload; the second step is the one measured.
+    trajs = workload(groups=16, trials=2, turns=5, prompt_len=512, resp=64, env=96)
+    c = cfg(kv_capacity_tokens=2048, tool_delay_s=0.01, per_env_token_s=1e-5, steps=2,
+            warmup_steps=1)
+    on = simulate(trajs, "war", c)
+    off = simulate(trajs, "war", c, admission=False)
     assert on.deferrals > 0 and off.deferrals == 0
     assert on.generated_tokens == off.generated_tokens  # conservation verified inside simulate
     assert on.hit_rate > off.hit_rate
@@ -318,3 +320,15 @@ def test_cache_reset_between_steps_and_warmup_steps():
     assert len(reset.step_makespans_s) == 1 and reset.makespan_s == reset.step_makespans_s[0]
     with pytest.raises(ValueError, match="warmup_steps"):
         simulate(base, "sticky", cfg(steps=1, warmup_steps=1))
+
+
+def test_contention_free_makespan_equals_one_engine_per_trajectory():
+    from war_openrlhf.simulation.cluster import contention_free_makespan
+
+    trajs = workload(groups=3, trials=2, turns=4, prompt_len=300, resp=24, env=40)
+    c = cfg(num_engines=2, delay_jitter=0.4, seed=3)
+    spread = simulate(trajs, "sticky", cfg(num_engines=len(trajs), delay_jitter=0.4, seed=3))
+    assert contention_free_makespan(trajs, c) == pytest.approx(spread.makespan_s, rel=1e-12)
+    # a warm-up step is not part of the bound: only the measured step's trajectories count
+    two = cfg(num_engines=2, delay_jitter=0.4, seed=3, steps=2, warmup_steps=1)
+    assert contention_free_makespan(trajs, two) <= contention_free_makespan(trajs, c) + 1e-12

@@ -147,56 +147,253 @@ def test_sticky_lru_evicts_least_recently_used():
     assert pol.choose(req("t2", [1]), states([0, 5, 5])) == 0  # re-placed, affinity lost
 
 
+def test_sticky_ties_to_lower_id_and_replaces_unhealthy_for_good():
+    pol = make_policy("sticky", 3)
+    assert pol.lru_capacity == 10000  # verl DEFAULT_ROUTING_CACHE_SIZE
+    assert pol.choose(req("t1", [1]), states([2, 1, 1])) == 1  # tie 1 == 1: lower id
+    # verl: a stale entry (server removed) is deleted and the request re-placed; the new
+    # binding stays when the old engine comes back.
+    assert pol.choose(req("t1", [1, 2]), states([5, 0, 1], healthy=[True, False, True])) == 2
+    assert pol.choose(req("t1", [1, 2, 3]), states([0, 0, 9])) == 2
+    pol.on_trajectory_finished("t1")  # verl never deletes entries: only the LRU ages them out
+    assert pol.engine_of("t1") == 2
+
+
+class _VerlLoadBalancer:
+    """verl v0.9.0 ``GlobalRequestLoadBalancer`` (verl/workers/rollout/llm_server.py:46-121),
+    transcribed: cachetools LRUCache request_id -> server, in-flight counts incremented at
+    acquire and decremented at release, ties to the first server in dict order."""
+
+    def __init__(self, n, max_cache_size):
+        cachetools = pytest.importorskip("cachetools")
+        self._inflight = {sid: 0 for sid in range(n)}
+        self._cache = cachetools.LRUCache(maxsize=max_cache_size)
+
+    def acquire(self, request_id):
+        if request_id in self._cache:
+            sid = self._cache[request_id]
+            if sid in self._inflight:
+                self._inflight[sid] += 1
+                return sid
+            del self._cache[request_id]
+        m = min(self._inflight.values())
+        sid = [s for s, c in self._inflight.items() if c == m][0]
+        self._cache[request_id] = sid
+        self._inflight[sid] += 1
+        return sid
+
+    def release(self, sid):
+        if sid in self._inflight and self._inflight[sid] > 0:
+            self._inflight[sid] -= 1
+
+    def remove(self, sid):
+        self._inflight.pop(sid, None)
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 4), cap=st.integers(1, 6),
+       ops=st.lists(st.tuples(st.sampled_from(["acq", "acq", "acq", "rel", "rm"]), st.integers(0, 9)),
+                    max_size=60))
+def test_sticky_is_verls_load_balancer(n, cap, ops):
+    """Fed the in-flight counts as ``running`` (what the simulator and the pool report), the
+    policy picks what verl's load balancer picks, on any sequence of turns, completions and
+    server removals."""
+    ref, pol = _VerlLoadBalancer(n, cap), make_policy("sticky", n, lru_capacity=cap)
+    inflight, healthy = [0] * n, [True] * n
+    for op, k in ops:
+        if op == "acq" and any(healthy):
+            got = pol.choose(req(f"t{k}", [k]), states(inflight, healthy=list(healthy)))
+            assert got == ref.acquire(f"t{k}")
+            inflight[got] += 1
+        elif op == "rel" and any(inflight):
+            sid = [i for i in range(n) if inflight[i]][k % sum(1 for x in inflight if x)]
+            inflight[sid] -= 1
+            ref.release(sid)
+        elif op == "rm" and sum(healthy) > 1:
+            sid = k % n
+            healthy[sid] = False
+            ref.remove(sid)
+        assert len(pol) == len(ref._cache)
+
+
 # ---------------------------------------------------------------- SGLang cache-aware
 PROMPT = np.arange(1000, 1200)
 
 
 def test_sglang_imbalanced_picks_shortest_queue_and_still_inserts():
     pol = make_policy("sglang_cache_aware", 2)
-    assert pol.choose(req("x", PROMPT), states([0, 0])) == 0  # empty trees: smallest -> 0
+    assert pol.choose(req("x", PROMPT), states([0, 0])) == 0  # empty tree: a miss, min load
+    assert pol.last_decision == "min_load"
     # 100 vs 10: diff 90 > 64 and 100 > 1.5*10 -> shortest queue despite engine 0's prefix.
     assert pol.choose(req("y", toks(PROMPT, [1, 2, 3])), states([100, 10])) == 1
     assert pol.last_decision == "shortest_queue"
-    assert pol.tree.size_of(1) == len(PROMPT) + 3
-    # Not imbalanced when only one threshold is exceeded (diff 60 <= 64).
-    assert pol.choose(req("z", toks(PROMPT, [7])), states([70, 10])) in (0, 1)
+    assert pol.size_of(1) == len(PROMPT) + 3
+    # 70 vs 10 (diff 60 <= 64): balanced, a hit. Both engines hold PROMPT; the router takes
+    # the node's creator (engine 0), not the less loaded holder.
+    assert pol.choose(req("z", toks(PROMPT, [7])), states([70, 10])) == 0
     assert pol.last_decision == "cache_match"
 
 
-def test_sglang_balanced_best_match_above_threshold():
+def test_sglang_imbalance_is_strict_on_both_thresholds_over_healthy_engines():
     pol = make_policy("sglang_cache_aware", 3)
-    other = np.arange(5000, 5300)
-    assert pol.choose(req("a", other), states([0, 0, 0])) == 0
-    assert pol.choose(req("b", np.arange(7000, 7300)), states([0, 0, 0])) == 1
-    assert pol.choose(req("c", PROMPT), states([0, 0, 0])) == 2  # smallest tree (0 tokens)
-    # 200 of 260 tokens match on engine 2 (rate 0.77 > 0.3): cache match, despite load 30 vs 0.
-    assert pol.choose(req("d", toks(PROMPT, np.arange(60))), states([0, 0, 30])) == 2
+    assert pol.choose(req("a", PROMPT), states([0, 0, 0])) == 0
+    assert pol.choose(req("b", PROMPT), states([74, 10, 74])) == 0  # diff 64: not > 64
+    assert pol.last_decision == "cache_match"
+    assert pol.choose(req("c", PROMPT), states([75, 10, 75])) == 1  # diff 65, 75 > 15
+    assert pol.last_decision == "shortest_queue"
+    assert pol.choose(req("d", PROMPT), states([195, 130, 195])) == 0  # 195 = 1.5*130: not >
+    assert pol.last_decision == "cache_match"
+    assert pol.choose(req("e", PROMPT), states([196, 130, 196])) == 1
+    assert pol.last_decision == "shortest_queue"
+    # An unhealthy engine's load is not part of the spread (the router gathers healthy workers).
+    assert pol.choose(req("f", PROMPT), states([100, 90, 0], healthy=[True, True, False])) == 0
     assert pol.last_decision == "cache_match"
 
 
-def test_sglang_below_threshold_smallest_tree():
+def test_sglang_miss_goes_to_min_load_with_processed_then_id_ties():
     pol = make_policy("sglang_cache_aware", 3)
-    pol.choose(req("a", np.arange(0, 500)), states([0, 0, 0]))       # -> 0, size 500
-    pol.choose(req("b", np.arange(600, 700)), states([0, 0, 0]))     # -> 1, size 100
-    pol.choose(req("c", np.arange(800, 1100)), states([0, 0, 0]))    # -> 2, size 300
-    assert [pol.tree.size_of(i) for i in range(3)] == [500, 100, 300]
-    # 50 of 500 tokens match engine 0 (rate 0.1 <= 0.3): smallest tree = engine 1.
+    assert pol.choose(req("a", np.arange(0, 500)), states([0, 0, 0])) == 0
+    assert pol.choose(req("b", np.arange(600, 700)), states([0, 0, 0])) == 1  # processed 1,0,0
+    assert pol.choose(req("c", np.arange(800, 1100)), states([0, 0, 0])) == 2
+    assert [pol.size_of(i) for i in range(3)] == [500, 100, 300]
+    # 50 of 500 tokens match engine 0 (rate 0.1 <= 0.3): a miss goes to the least loaded
+    # engine (2), not the smallest tree (1) as the router did before sglang PR #14650.
     assert pol.choose(req("d", toks(np.arange(0, 50), np.arange(20000, 20450))),
-                      states([0, 0, 0])) == 1
-    assert pol.last_decision == "smallest_tree"
+                      states([5, 3, 1])) == 2
+    assert pol.last_decision == "min_load"
+    assert pol.processed == [1, 1, 2]
+    assert pol.choose(req("e", np.arange(30000, 30100)), states([2, 2, 2])) == 0  # processed 1 (id 0)
+    assert pol.choose(req("f", np.arange(40000, 40100)), states([2, 2, 2])) == 1
 
 
-def test_sglang_tree_matches_and_evicts_lru_leaves():
+def test_sglang_match_rate_threshold_is_strict():
+    pol = make_policy("sglang_cache_aware", 2)
+    assert pol.choose(req("a", np.arange(0, 100)), states([0, 0])) == 0
+    # 30 of 100 tokens match: rate 0.3 is not > 0.3 (in f32 too): a miss, min load.
+    assert pol.choose(req("b", toks(np.arange(0, 30), np.arange(500, 570))), states([5, 0])) == 1
+    assert pol.last_decision == "min_load"
+    # 31 of 100: the walk ends inside a's leaf, whose creator is engine 0.
+    assert pol.choose(req("c", toks(np.arange(0, 31), np.arange(600, 669))), states([5, 0])) == 0
+    assert pol.last_decision == "cache_match" and pol.last_match_rate == pytest.approx(0.31)
+
+
+def test_sglang_unhealthy_matched_engine_falls_back_to_first_healthy_without_insert():
+    pol = make_policy("sglang_cache_aware", 3)
+    assert pol.choose(req("a", PROMPT), states([0, 0, 0])) == 0
+    got = pol.choose(req("b", toks(PROMPT, [1])), states([0, 5, 0], healthy=[False, True, True]))
+    assert got == 1 and pol.last_decision == "first_healthy"  # not min load (2)
+    assert pol.size_of(1) == 0 and pol.processed == [1, 0, 0]
+
+
+def test_sglang_page_size_matches_whole_pages_only():
+    a, q = np.arange(0, 100), toks(np.arange(0, 31), np.arange(1000, 1069))  # 31 of 100 shared
+    tok = make_policy("sglang_cache_aware", 2)
+    page = make_policy("sglang_cache_aware", 2, page_size=16)
+    for pol in (tok, page):
+        assert pol.choose(req("a", a), states([0, 0])) == 0
+    assert page.size_of(0) == 96  # the 4-token tail is not inserted
+    assert tok.choose(req("q", q), states([3, 0])) == 0  # 31/100 > 0.3: hit
+    assert page.choose(req("q", q), states([3, 0])) == 1  # 16/100: one whole page, a miss
+    assert page.last_match_rate == pytest.approx(0.16)
+    assert page.choose(req("s", np.arange(0, 15)), states([0, 0])) in (0, 1)
+    assert page.size_of(0) + page.size_of(1) == 96 + 96  # shorter than a page: nothing inserted
+
+
+def test_sglang_tree_evicts_lru_leaves():
     pol = make_policy("sglang_cache_aware", 1, max_tree_size=300)
     pol.choose(req("a", np.arange(0, 200)), states([0]))
     pol.choose(req("b", toks(np.arange(0, 100), np.arange(500, 600))), states([0]))  # split
-    assert pol.tree.size_of(0) == 300
-    assert pol.tree.match_per_tenant(toks(np.arange(0, 150), [9]))[0] == 150
+    assert pol.size_of(0) == 300
+    assert pol.tree.match(toks(np.arange(0, 150), [9])) == (150, 0)
     pol.choose(req("c", np.arange(900, 1000)), states([0]))  # 400 > 300: evict LRU leaf (a's)
-    assert pol.tree.size_of(0) <= 300
-    m = pol.tree.match_per_tenant(np.arange(0, 200))
-    assert m[0] == 100  # a's leaf [100, 200) evicted, shared [0, 100) kept
-    assert pol.tree.match_per_tenant(toks(np.arange(0, 100), np.arange(500, 600)))[0] == 200
+    assert pol.size_of(0) == 300
+    assert pol.tree.held_prefix(np.arange(0, 200), 0) == 100  # a's leaf [100, 200) evicted
+    assert pol.tree.held_prefix(toks(np.arange(0, 100), np.arange(500, 600)), 0) == 200
+    assert pol.tree.match(np.arange(0, 200))[0] == 100  # the node went with its last tenant
+
+
+def _first_lcp(a, b):
+    n = min(len(a), len(b))
+    neq = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(neq[0]) if len(neq) else n
+
+
+@settings(max_examples=150, deadline=None)
+@given(ins=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.lists(st.integers(0, 2), max_size=8)),
+                    max_size=14),
+       queries=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 2), max_size=8)), min_size=1,
+                        max_size=6))
+def test_sglang_tree_matches_brute_force(ins, queries):
+    """The walk's match length is the longest prefix shared with anything inserted; its tenant
+    is the one whose insert first reached that depth (the node's creator: ST:447/487); a
+    tenant's size is the number of distinct prefixes it inserted."""
+    from war_openrlhf.dispatch.sglang_cache_aware import ApproxRadixTree
+
+    stems = [np.zeros(0, np.int64), np.array([7, 7, 7]), np.array([7, 7, 8, 8])]
+    tree, done = ApproxRadixTree(), []
+    for tenant, stem, rest in ins:
+        s = np.concatenate([stems[stem], np.asarray(rest, dtype=np.int64)])
+        tree.insert(s, tenant)
+        done.append((s, tenant))
+    for stem, rest in queries:
+        q = np.concatenate([stems[stem], np.asarray(rest, dtype=np.int64)])
+        lcps = [_first_lcp(q, s) for s, _ in done]
+        best = max(lcps, default=0)
+        matched, tenant = tree.match(q)
+        assert matched == best
+        if best:
+            assert tenant == next(t for (s, t), m in zip(done, lcps) if m == best)
+    for t in range(3):
+        prefixes = {tuple(s[:k]) for s, tt in done if tt == t for k in range(1, len(s) + 1)}
+        assert tree.size_of(t) == len(prefixes)
+        for stem, rest in queries:
+            q = np.concatenate([stems[stem], np.asarray(rest, dtype=np.int64)])
+            assert tree.held_prefix(q, t) == max([_first_lcp(q, s) for s, tt in done if tt == t], default=0)
+
+
+def _first_turns(policy, sys_len, task_len, groups=32, n=8, engines=4, seed=0):
+    """Dispatch the first turns of a GRPO step (all start together; nothing finishes), with
+    the engines' load = the requests dispatched to them, as the router counts it."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, 150_000, sys_len)
+    loads, where = [0] * engines, {}
+    for g in range(groups):
+        prompt = toks(system, rng.integers(0, 150_000, task_len))
+        for s in range(n):
+            e = policy.choose(req(f"g{g}s{s}", prompt, group=f"g{g}"), states(loads))
+            loads[e] += 1
+            where[f"g{g}s{s}"] = (e, prompt)
+    return loads, where
+
+
+def test_sglang_agentic_first_turns_pile_on_the_system_prompt_engine():
+    """Why the router loses to OpenRLHF's placement on agentic GRPO steps (module docstring):
+    a shared system prompt that is > 30% of a first turn makes every first turn a hit on the
+    engine that created the prompt's node; only a spread > 64 in-flight requests sends one
+    elsewhere, so that engine keeps 64 more than the others for the step."""
+    loads, where = _first_turns(make_policy("sglang_cache_aware", 4), sys_len=2000, task_len=200)
+    assert loads == [64 + 192 // 4, 48, 48, 48]
+    # A later turn (its own response appended) reaches its group's prompt node: the engine
+    # of the group's first sample created it, and the turn goes there while the spread stays
+    # <= 64 (here exactly 64), including the samples the switch had sent elsewhere.
+    pol = make_policy("sglang_cache_aware", 4)
+    loads, where = _first_turns(pol, sys_len=2000, task_len=200)
+    moved = 0
+    for i, (tid, (e, prompt)) in enumerate(where.items()):
+        home = where[tid.split("s")[0] + "s0"][0]
+        resp = np.arange(10_000 + 50 * i, 10_050 + 50 * i)
+        assert pol.choose(req(tid, toks(prompt, resp), turn=1), states(loads)) == home
+        moved += e != home
+    assert moved > 0  # here 144 of 256: the next turn undoes the switch (and re-triggers it)
+    # With a system prompt under 30% of the first turn a new group is a miss: min load,
+    # and its samples follow their group's prompt: even spread, as OpenRLHF's placement.
+    assert _first_turns(make_policy("sglang_cache_aware", 4), sys_len=50, task_len=200)[0] == [64] * 4
+    assert _first_turns(make_policy("least_loaded", 4, n_samples_per_prompt=8), 2000, 200)[0] == [64] * 4
+    # slime's thresholds (abs 10, rel 1.2) bound the pile-up: a hit lands only while
+    # max - min <= 10 or max <= 1.2 * min.
+    pol = make_policy("sglang_cache_aware", 4, balance_abs_threshold=10, balance_rel_threshold=1.2)
+    loads = _first_turns(pol, 2000, 200)[0]
+    assert max(loads) <= max(min(loads) + 11, 1.2 * min(loads) + 1)
 
 
 # ---------------------------------------------------------------- block-hash index

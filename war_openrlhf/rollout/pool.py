@@ -167,7 +167,8 @@ class RolloutPool:
                             sampling_params: dict[str, Any], turn_index: int,
                             tokens_so_far: int) -> dict[str, Any]:
         ctx = np.asarray(context, dtype=np.int32)  # one array for the dispatcher, the log and the wire
-        request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far)
+        request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far,
+                              arrival_s=time.monotonic())
         attempts = 0
         while True:
             states = [e.state() for e in self.engines]
@@ -203,7 +204,8 @@ class RolloutPool:
             self.policy.observe_turn(eid, prompt_tokens=len(ctx),
                                      cached_tokens=int(out.get("num_cached_tokens", 0)),
                                      response_tokens=len(response),
-                                     latency_s=time.perf_counter() - t_sent, batch=batch)
+                                     latency_s=time.perf_counter() - t_sent, batch=batch,
+                                     trajectory_id=trajectory_id)
             self.log.append(CompletedSequence.create(trajectory_id, group_id, self.policy_version, ctx, response))
             await self._notify()
             return out

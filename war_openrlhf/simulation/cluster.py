@@ -94,7 +94,7 @@ from ..dispatch.block_index import BLOCK_SIZE, chain_hashes, coarse_chain
 from .cost_model import CostModel, get_preset
 
 __all__ = ["SimConfig", "SimResult", "ConservationError", "Ledger", "ClusterSimulator",
-           "simulate", "oracle_hit_rate", "prepare_trajectories"]
+           "simulate", "oracle_hit_rate", "prepare_trajectories", "contention_free_makespan"]
 
 
 class ConservationError(RuntimeError):
@@ -380,6 +380,9 @@ class _Req:
         self.batch = 0  # the engine's requests (running + waiting) when this one was queued
 
 
+_RATE_REFIT_STEPS = 64  # computation schedule of the engines' step-cost regression
+
+
 class _Engine:
     def __init__(self, eid: int, cost: CostModel, spec_tokens: float = 1.0, spec_drafted: float = 0.0) -> None:
         self.eid = eid
@@ -398,6 +401,12 @@ class _Engine:
         self.queued_tokens = 0
         self.pending_turns = 0
         self.evicted = 0
+        # The engine's own step-cost regression (what a real engine measures of its steps):
+        # duration ~ step_s + step_per_seq_s * sequences + prefill_token_s * prefill tokens.
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._fit_steps = 0
+        self.rates = (0.0, 0.0, 0.0)
 
     # -- cache ----------------------------------------------------------------------------
     def match(self, hl: List[int], limit: int) -> int:
@@ -526,6 +535,7 @@ class _Engine:
                                     f"(running {len(self.running)}, waiting {len(self.waiting)})")
         self.sched = sched
         dur = self.cost.step_time(n_dec, ctx_tokens, prefill, pairs)
+        x = np.array([1.0, float(len(sched)), float(prefill)])
         if n_dec and self.spec_drafted:
             cost = self.cost
             drafts = n_dec * self.spec_drafted
@@ -534,7 +544,25 @@ class _Engine:
             else:  # a verified draft token costs a prefill token's compute
                 dur += cost.prefill_per_token_s * drafts
         self.busy_s += dur
+        self._xtx += np.outer(x, x)
+        self._xty += x * dur
+        self._fit_steps += 1
+        if self._fit_steps % _RATE_REFIT_STEPS == 0:
+            self._refit()
         return dur
+
+    def _refit(self) -> None:
+        """Least squares of the recorded steps (a feature that never varied is dropped)."""
+        for cols in ((0, 1, 2), (0, 1), (0, 2), (0,)):
+            idx = list(cols)
+            sub = self._xtx[np.ix_(idx, idx)]
+            if np.linalg.cond(sub) < 1e12:
+                coef = np.linalg.solve(sub, self._xty[idx])
+                if (coef >= 0).all():
+                    full = np.zeros(3)
+                    full[idx] = coef
+                    self.rates = (float(full[0]), float(full[1]), float(full[2]))
+                    return
 
     def finish_step(self, ledger: Ledger, now: float = 0.0) -> List[_Req]:
         done: List[_Req] = []
@@ -581,8 +609,10 @@ class _Engine:
         return done
 
     def state(self) -> EngineState:
+        s0, s1, p = self.rates
         return EngineState(self.eid, len(self.running), len(self.waiting), self.queued_tokens,
-                           self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs)
+                           self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs,
+                           step_s=s0, step_per_seq_s=s1, prefill_token_s=p)
 
 
 # ---- the simulator ---------------------------------------------------------------------------
@@ -703,7 +733,7 @@ class ClusterSimulator:
                 nonlocal seq, engine_changes, deferrals
                 prev = last_engine.get(traj.tid)
                 req = TurnRequest(traj.tid, traj.gid, traj.ctxs[turn], turn,
-                                  tokens_so_far[traj.tid])
+                                  tokens_so_far[traj.tid], arrival_s=now)
                 states = [e.state() for e in engines]
                 c0 = perf()
                 eid = pol.choose(req, states)
@@ -764,7 +794,8 @@ class ClusterSimulator:
                         pol.on_turn_finished(r.request, eng.eid, traj.resp_ids[r.turn])
                         pol.observe_turn(eng.eid, prompt_tokens=r.ctx_len, cached_tokens=r.hit,
                                          response_tokens=r.resp_len,
-                                         latency_s=now - r.t_dispatch, batch=r.batch)
+                                         latency_s=now - r.t_dispatch, batch=r.batch,
+                                         trajectory_id=traj.tid)
                         last_engine[traj.tid] = eng.eid
                         tokens_so_far[traj.tid] += r.resp_len
                         if r.turn + 1 < traj.turns:
@@ -843,3 +874,39 @@ def simulate(trajectories, policy: Union[str, DispatchPolicy], config: SimConfig
              **policy_kwargs) -> SimResult:
     """Replay ``trajectories`` on ``config.num_engines`` simulated engines under ``policy``."""
     return ClusterSimulator(config).run(trajectories, policy, **policy_kwargs)
+
+
+def contention_free_makespan(trajectories, config: SimConfig) -> float:
+    """The makespan no dispatcher on any number of engines can beat: every trajectory of the
+    measured steps alone on its own engine with unlimited KV, waiting the same tool delays as
+    in :func:`simulate` (same seed, same jitter draws). Cheaper than simulating one engine per
+    trajectory at once: trajectories that never share an engine are independent."""
+    import copy
+
+    cost = config.validate()
+    trajs = (trajectories if trajectories and isinstance(trajectories[0], _Traj)
+             else prepare_trajectories(trajectories))
+    rng = np.random.default_rng(config.seed)
+    jitter = {t.tid: 1.0 + config.delay_jitter * (2.0 * rng.random(t.turns) - 1.0) for t in trajs}
+    groups: Dict[str, List[_Traj]] = {}
+    for t in trajs:
+        groups.setdefault(t.gid, []).append(t)
+    glist = list(groups.values())
+    nsteps = min(config.steps, len(glist))
+    bounds = np.linspace(0, len(glist), nsteps + 1).round().astype(int)
+    worst = 0.0
+    for s in range(config.warmup_steps, nsteps):
+        span = 0.0
+        for t in (t for g in glist[bounds[s]:bounds[s + 1]] for t in g):
+            alone = copy.copy(t)
+            if alone.delays is None:
+                alone.delays = [(config.tool_delay_s + config.per_env_token_s * t.env[i])
+                                * jitter[t.tid][i] for i in range(t.turns)]
+            need = max(c + r for c, r in zip(t.ctx_lens, t.resp_lens))
+            cap = max(cost.kv_capacity_tokens, -(-need // cost.block_size) * cost.block_size)
+            one = SimConfig(num_engines=1, preset=cost.with_overrides(kv_capacity_tokens=cap),
+                            seed=config.seed, spec_tokens_per_step=config.spec_tokens_per_step,
+                            spec_drafted_per_step=config.spec_drafted_per_step)
+            span = max(span, ClusterSimulator(one).run([alone], "sticky").makespan_s)
+        worst += span
+    return worst
