@@ -1,13 +1,22 @@
 """End-to-end dispatch benchmark: every policy on the same simulated cluster and workload.
 
+    # one regime, the whole trace file
     python tools/bench_dispatch.py --traces ../shared/traces/tau_airline_dev.json \
         --engines 8 --load high --json results/bench_dispatch_e8_high.json
-    python tools/bench_dispatch.py --traces FILE --sweep --plot results/bench_dispatch_sweep.png \
-        --json results/bench_dispatch_sweep.json
+    # the matrix nothing was tuned on (validation tasks of the file + generated workloads)
+    python tools/bench_dispatch.py --suite --traces ../shared/traces/tau_airline_dev.json \
+        --json results/dispatch_suite.json --plot docs/img/dispatch_suite.png
+    # the same matrix on the tuning half / tuning seed (what a policy may be tuned on)
+    python tools/bench_dispatch.py --suite --split tuning --traces FILE --json OUT.json
+    # summarise parts of a matrix run separately (e.g. --suite-engines 4,8 and 32)
+    python tools/bench_dispatch.py --suite-from a.json b.json --json all.json --plot all.png
 
 Simulator: :mod:`war_openrlhf.simulation.cluster` (cost preset ``--preset``, default
-``h100_qwen7b``). One synchronous GRPO step: all trajectories start at t=0, the step ends
-when the last one ends.
+``h100_qwen7b``). A run is one synchronous GRPO step measured after a warm-up step of other
+groups (the previous RL step: policies that learn online are measured warm, as in a running
+job; the weight sync between them empties the prefix caches; ``--no-warmup`` measures a cold
+step). The step ends when the last trajectory ends; the output shows that trajectory per
+policy (its engine, and its time split into admission wait, tools, queue, prefill, decode).
 
 Loads (trajectories per engine, KV capacity per engine):
 
@@ -16,15 +25,23 @@ Loads (trajectories per engine, KV capacity per engine):
 * ``high``: 32 trajectories per engine (8 groups), and a KV capacity per engine set to
   1 / ``--pressure`` (default 2) of the live-context footprint per engine, i.e. the sum over
   trajectories of their peak context (final context + response) divided by the engines.
-  On tau-bench (1.3-12k-token contexts) that is ~100k tokens instead of 0.9 M: it stands for the
-  same pressure with SWE-style 30-60k-token contexts on a real 0.9 M-token H100. The output
-  states the aggregate live context / one engine's KV capacity.
+  A real engine's KV always holds one max-length sequence: where the pressure would leave
+  less, the KV is raised to the longest sequence and the output says so.
 
-When more trajectories are needed than the 35 tasks x 4 trials of the file, the tasks are
-replicated: replica r (r >= 1) of a task is a new group (ids ``<id>#r<r>``) whose tokens equal
-the original's except one token right after the prefix common to every task's prompt (the
-shared system prompt), so replicas share the system prompt like distinct tasks do, each
-replica's trials share their group prefix, and nothing else is shared across replicas.
+When more trajectories are needed than the file has, the tasks are replicated: replica r
+(r >= 1) of a task is a new group (ids ``<id>#r<r>``) whose tokens equal the original's
+except one token right after the prefix common to every task's prompt (the shared system
+prompt), so replicas share the system prompt like distinct tasks do, each replica's trials
+share their group prefix, and nothing else is shared across replicas.
+
+``--suite``: sources (``--sources``: ``tau`` = the trace file, ``gen:NAME`` = a workload of
+:mod:`war_openrlhf.simulation.workloads`) x engines 4/8/32 x pressure 1/2/4 x tools fast
+(0.1 s + 0.1 ms per environment token; generated latencies x 0.1) / slow (1 s + 1 ms;
+generated latencies as drawn), load high. ``--split validation`` (default) uses the odd
+half of the file's tasks (sorted by id) and generator seed 0; ``--split tuning`` the even
+half and seed 1. Report validation; tune on tuning only. It prints one table (war / best
+peer per cell, the ceiling, war's critical path), the minimum over cells and the targets,
+and plots war / best peer against each cell's contention-free ceiling.
 
 Policy kwargs (the policies' code is not touched): ``least_loaded`` gets
 ``n_samples_per_prompt = group size`` (OpenRLHF adds n per prompt to the snapshot load);
@@ -94,37 +111,50 @@ def replicate(trajs, copies: int):
     return out
 
 
-def build_workload(base, engines: int, load: str, preset: str, pressure: float):
+def build_workload(base, engines: int, load: str, preset: str, pressure: float,
+                   warmup: bool = False):
+    """The measured step's trajectories (and, with ``warmup``, a previous step of as many
+    other groups in front of them: ``(warmup + measured, group_size, cap, info)``)."""
     groups = list(group_trajectories(base).values())
     group_size = max(len(g) for g in groups)
     want_traj = LOADS[load] * engines
     want_groups = max(1, math.ceil(want_traj / group_size))
-    copies = math.ceil(want_groups / len(groups))
+    steps = 2 if warmup else 1
+    copies = math.ceil(steps * want_groups / len(groups))
     pool = replicate(base, copies) if copies > 1 else list(base)
-    pgroups = list(group_trajectories(pool).values())
-    # Interleave replicas' groups (r0 g0.., r1 g0..) is unnecessary: take groups in order.
-    chosen = [t for g in pgroups[:want_groups] for t in g]
+    pgroups = list(group_trajectories(pool).values())[:steps * want_groups]
+    before = [t for g in pgroups[:len(pgroups) - want_groups] for t in g]
+    chosen = [t for g in pgroups[len(pgroups) - want_groups:] for t in g]
     footprint = sum(len(t.turns[-1].context_token_ids) + len(t.turns[-1].response_token_ids)
                     for t in chosen)
-    cap_preset = get_preset(preset).kv_capacity_tokens
+    cost = get_preset(preset)
+    bs = cost.block_size
+    cap_preset = cost.kv_capacity_tokens
+    # a real engine's KV always holds one max-length sequence
+    longest = max(len(x.context_token_ids) + len(x.response_token_ids) for t in chosen for x in t.turns)
+    floor = -(-longest // bs) * bs
     if load == "high":
-        cap = max(16, int(footprint / engines / pressure) // 16 * 16)
+        cap = max(bs, int(footprint / engines / pressure) // bs * bs)
         cap = min(cap, cap_preset)
     else:
         cap = cap_preset
+    floored = cap < floor
+    cap = max(cap, floor)
     info = {
         "load": load, "engines": engines, "trajectories": len(chosen), "groups": want_groups,
         "group_size": group_size, "replicas": copies,
         "trajectories_per_engine": len(chosen) / engines,
         "kv_capacity_tokens_per_engine": cap,
+        "kv_floored_to_longest_sequence": floored, "longest_sequence_tokens": longest,
         "live_context_tokens": footprint,
         "live_context_per_engine": footprint / engines,
         "aggregate_live_over_one_engine_kv": footprint / cap,
         "per_engine_live_over_kv": footprint / engines / cap,
         "response_tokens": int(sum(len(tr.response_token_ids) for t in chosen for tr in t.turns)),
         "turns": int(sum(len(t.turns) for t in chosen)),
+        "warmup_trajectories": len(before),
     }
-    return chosen, group_size, cap, info
+    return before + chosen, group_size, cap, info
 
 
 def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
@@ -138,7 +168,8 @@ def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
             kw = dict(war_kwargs)
         cfg = SimConfig(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
                         tool_delay_s=args.tool_delay, per_env_token_s=args.per_env_token,
-                        delay_jitter=args.jitter, seed=args.seed)
+                        delay_jitter=args.jitter, seed=args.seed,
+                        steps=2 if args.warmup else 1, warmup_steps=1 if args.warmup else 0)
         t0 = time.perf_counter()
         res = simulate(prepared, pol, cfg, **kw)
         d = res.to_dict()
@@ -147,16 +178,13 @@ def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
         rows[pol] = d
         if pbar is not None:
             pbar.update(1)
-    # Ceiling: every trajectory alone on its own engine, the preset's (unlimited here) KV, the
-    # same tool delays -- the makespan no dispatcher on `engines` engines can beat.
-    free = SimConfig(num_engines=len(prepared), preset=args.preset,
-                     tool_delay_s=args.tool_delay, per_env_token_s=args.per_env_token,
-                     delay_jitter=args.jitter, seed=args.seed)
-    bound = simulate(prepared, "sticky", free)
+    # Ceiling: every trajectory alone on its own engine, unlimited KV, the same tool delays --
+    # the makespan no dispatcher on `engines` engines can beat.
+    bound = contention_free_makespan(prepared, cfg)
     ll = rows["least_loaded"]["throughput_tok_s"]
-    ceiling = {"makespan_s": bound.makespan_s, "throughput_tok_s": bound.throughput_tok_s,
-               "hit_rate": bound.hit_rate,
-               "x_least_loaded": bound.throughput_tok_s / ll if ll else float("nan")}
+    tokens = rows["least_loaded"]["generated_tokens"]
+    ceiling = {"makespan_s": bound, "throughput_tok_s": tokens / bound,
+               "x_least_loaded": rows["least_loaded"]["makespan_s"] / bound}
     for pol, d in rows.items():
         peers = [rows[q]["throughput_tok_s"] for q in rows if q != pol]
         d["x_least_loaded"] = d["throughput_tok_s"] / ll if ll else float("nan")
@@ -170,7 +198,9 @@ def print_table(rows, info, ceiling):
           f"{info['response_tokens']:,} response tokens), KV {info['kv_capacity_tokens_per_engine']:,} "
           f"tokens/engine; live context {info['live_context_tokens']:,} tokens = "
           f"{info['aggregate_live_over_one_engine_kv']:.1f}x one engine's KV "
-          f"({info['per_engine_live_over_kv']:.2f}x per engine)")
+          f"({info['per_engine_live_over_kv']:.2f}x per engine)"
+          + (f"; KV raised to the longest sequence ({info['longest_sequence_tokens']:,} tokens): "
+             f"a real engine always holds one" if info["kv_floored_to_longest_sequence"] else ""))
     print("\n| policy | makespan s | tok/s | hit rate | oracle | imbalance | p99 turn s | "
           "dec p50 us | dec p99 us | moves | x least_loaded | x best peer |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -180,6 +210,16 @@ def print_table(rows, info, ceiling):
               f"{d['turn_latency_p99_s']:.2f} | {d['decision_p50_us']:.1f} | "
               f"{d['decision_p99_us']:.1f} | {d['engine_changes']} | {d['x_least_loaded']:.3f} | "
               f"{d['x_best_peer']:.3f} |")
+    print("\nCritical path (the trajectory that finished last, where its time went):\n")
+    print("| policy | trajectory | turns | last engine | its busy / mean | admission wait s | "
+          "tools s | queue s | prefill s | decode s | prefilled tokens |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for pol, d in rows.items():
+        for cp in d.get("critical_paths", []):
+            print(f"| {pol} | {cp['trajectory']} | {cp['turns']} | {cp['engine']} | "
+                  f"{cp['engine_busy_over_mean']:.2f} | {cp['admission_wait_s']:.2f} | "
+                  f"{cp['tool_s']:.2f} | {cp['queue_s']:.2f} | {cp['prefill_s']:.2f} | "
+                  f"{cp['decode_s']:.2f} | {cp['prefill_tokens']:,} |")
     print(f"\nContention-free ceiling (one engine per trajectory, unlimited KV, same delays): "
           f"makespan {ceiling['makespan_s']:.2f} s, {ceiling['throughput_tok_s']:,.0f} tok/s = "
           f"{ceiling['x_least_loaded']:.2f}x least_loaded: no dispatcher can exceed it.")
@@ -393,6 +433,36 @@ def plot_suite(cells, path, split):
     print(f"wrote {path}")
 
 
+def merge_suite(args):
+    """Summarise suite JSON files written by earlier runs (e.g. a matrix run in parts)."""
+    runs, heads = [], []
+    for path in args.suite_from:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--suite-from: cannot read {path}: {exc}")
+        if not data.get("suite") or "runs" not in data:
+            raise SystemExit(f"--suite-from: {path} is not a --suite result (no suite/runs)")
+        runs += data["runs"]
+        heads.append(data)
+    splits = {h.get("split") for h in heads}
+    if len(splits) != 1:
+        raise SystemExit(f"--suite-from: the files mix splits {sorted(map(str, splits))}")
+    split = splits.pop()
+    out = dict(heads[0])
+    out["command"] = " ".join(["python"] + sys.argv)
+    out["merged_from"] = list(args.suite_from)
+    out["runs"] = runs
+    cells, summary = suite_summary(runs)
+    out["summary"], out["cells"] = summary, cells
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    print_suite(list(zip(cells, runs)), summary, split)
+    print(f"\nwrote {args.json}")
+    if args.plot:
+        plot_suite(list(zip(cells, runs)), args.plot, split)
+
+
 def run_suite(args):
     from tqdm import tqdm
 
@@ -442,6 +512,9 @@ def main(argv=None):
     ap.add_argument("--jitter", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--war-kwargs", default="{}", help="JSON kwargs for the war policy")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="measure a cold first step (default: a warm-up step of other groups "
+                         "runs first, as the previous RL step, and is not measured)")
     ap.add_argument("--suite", action="store_true",
                     help="the matrix: sources x engines x pressure x tool speed (see --sources)")
     ap.add_argument("--split", choices=sorted(GENERATOR_SEEDS), default="validation",
@@ -455,7 +528,12 @@ def main(argv=None):
     ap.add_argument("--suite-tools", default=",".join(TOOL_SPEEDS))
     ap.add_argument("--per-engine", type=int, default=LOADS["high"],
                     help="--suite: trajectories per engine in the measured step")
+    ap.add_argument("--suite-from", nargs="+", metavar="JSON",
+                    help="summarise (table, plot, --json) earlier --suite results instead of "
+                         "running: e.g. a matrix run in parts")
     args = ap.parse_args(argv)
+    if args.suite_from:
+        return merge_suite(args)
     if args.suite:
         if "tau" in args.sources.split(",") and not args.traces:
             raise SystemExit("--suite with source tau needs --traces FILE")
@@ -482,7 +560,7 @@ def main(argv=None):
     with tqdm(total=len(combos) * len(POLICY_ORDER), desc="simulations", file=sys.stderr) as bar:
         for engines, load in combos:
             trajs, gsize, cap, info = build_workload(base, engines, load, args.preset,
-                                                     args.pressure)
+                                                     args.pressure, warmup=args.warmup)
             rows, ceiling = run_all(trajs, gsize, cap, args, engines, war_kwargs, bar)
             out["runs"].append({"workload": info, "results": rows, "ceiling": ceiling})
             tables.append((rows, info, ceiling))

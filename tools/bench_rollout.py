@@ -28,9 +28,9 @@ Configurations (``--configs``):
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
 * ``war_sched_only``: ``war`` dispatch, speculation ``off``.
-* ``war_sticky``, ``war_sglang_cache_aware``, ``war_dynamo_kv``: the WAR pool (speculation
-  ``auto``) under verl's sticky, SGLang's cache-aware and NVIDIA Dynamo's KV routers, so the
-  routers differ and nothing else.
+* ``war_sticky``, ``war_sglang_cache_aware``, ``war_dynamo_kv``, ``war_verl_kv_aware``: the
+  WAR pool (speculation ``auto``) under verl's sticky, SGLang's cache-aware, NVIDIA Dynamo's
+  KV and verl's KV-cache-aware routers, so the routers differ and nothing else.
 
 KV regime: ``--kv-tokens N`` gives every engine (WAR's and OpenRLHF's) exactly N tokens of KV
 cache (vLLM's ``num_gpu_blocks_override``, whole blocks; never below one max-length sequence);
@@ -73,6 +73,7 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_sticky": ("sticky", "auto"),
     "war_sglang_cache_aware": ("sglang_cache_aware", "auto"),
     "war_dynamo_kv": ("dynamo_kv", "auto"),
+    "war_verl_kv_aware": ("verl_kv_aware", "auto"),
 }
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
@@ -133,7 +134,7 @@ def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> l
 SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
                 "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
-                "war_dynamo_kv": ("dynamo_kv", True)}
+                "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True)}
 
 
 def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict) -> dict:

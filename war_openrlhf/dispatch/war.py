@@ -24,7 +24,10 @@ step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
   trajectories parked on a tool whose next turn comes back to e -- they hold the engine as
   surely as the running ones, which is what makes load balance see the step's stragglers.
 * ``wait_e``: a request queued behind ``waiting_e`` others starts when that many of the
-  ``running_e + 1`` in flight have finished (Little's law with the measured mean latency).
+  ``running_e + 1`` in flight have finished (Little's law with the measured mean latency);
+  one that needs ``u + r`` KV tokens where the running requests leave less starts when they
+  have freed the shortfall, ``mean latency x shortfall / kv_used`` (they free ``kv_used``
+  per mean latency); the larger of the two.
 * ``w = 1 + progress``, progress = turns done / mean turns of finished trajectories (0 before
   any finished): the further a trajectory is, the likelier it is the step's straggler, so
   its own time weighs up to twice the delay it causes -- the chain that ends last is the
@@ -369,6 +372,10 @@ class WarDispatchPolicy(DispatchPolicy):
             run = e.running
             b = run + e.waiting + e.pending_turns
             wait = e.waiting * lat / (run + 1) if e.waiting else 0.0
+            short = e.kv_used_tokens + u + r - e.kv_capacity_tokens
+            if short > 0 and e.kv_used_tokens:  # until running requests free that much KV
+                kv_wait = lat * short / e.kv_used_tokens
+                wait = kv_wait if kv_wait > wait else wait
             scores[eid] = w * (wait + p * u + rs1 * (b + 1)) + run * p * u + b * rs1
         if self.admission and sum(self.live) > 0:
             # Eviction harm: tokens pushed past an engine's budget are evicted from parked

@@ -133,6 +133,10 @@ class EngineClient:
 
     def state(self, exclude_parked: int = 0) -> EngineState:
         """The dispatcher's snapshot of this engine."""
+        used = 0
+        if self.last_stats is not None and self.kv_capacity_tokens:
+            used = int(self.last_stats.kv_cache_usage * self.kv_capacity_tokens)
         return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
-                           max(0, self.parked - exclude_parked), self.healthy, self.kv_block_size)
+                           max(0, self.parked - exclude_parked), self.healthy, self.kv_block_size,
+                           kv_used_tokens=max(used, 0))
 

@@ -612,7 +612,8 @@ class _Engine:
         s0, s1, p = self.rates
         return EngineState(self.eid, len(self.running), len(self.waiting), self.queued_tokens,
                            self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs,
-                           step_s=s0, step_per_seq_s=s1, prefill_token_s=p)
+                           step_s=s0, step_per_seq_s=s1, prefill_token_s=p,
+                           kv_used_tokens=self.pinned_blocks() * self.bs)
 
 
 # ---- the simulator ---------------------------------------------------------------------------
