@@ -19,7 +19,7 @@ def _result():
 
 
 def _pool():
-    policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None)
+    policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None, metrics=dict)
     return SimpleNamespace(policy=policy, engines=[SimpleNamespace(sync_errors=0), SimpleNamespace(sync_errors=1)])
 
 
@@ -41,3 +41,22 @@ def test_drafter_step_cost_and_log_backlog_are_reported_per_batch():
     # engines without a replica (vLLM's own suffix, or no speculation) report neither
     plain = rollout_metrics(_result(), _pool(), before, [EngineStats(engine=0), EngineStats(engine=1)])
     assert "war/drafter_step_us_p50" not in plain and "war/index_pending_entries" not in plain
+
+
+def test_the_dispatchers_measurements_are_reported():
+    """war's own policy object: its moves, deferrals and fitted rates become war/dispatch_*."""
+    import numpy as np
+
+    from war_openrlhf.dispatch import EngineState, TurnRequest, make_policy
+
+    pol = make_policy("war", 2)
+    sts = [EngineState(i, 0, 0, 0, 1 << 20, step_s=5e-3, step_per_seq_s=1e-4,
+                       prefill_token_s=4e-5) for i in range(2)]
+    pol.choose(TurnRequest("t", "g", np.arange(50, dtype=np.int32), 0, 0), sts)
+    pool = _pool()
+    pool.policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None,
+                                  metrics=pol.metrics)
+    m = rollout_metrics(_result(), pool, [EngineStats(engine=0)], [_stats(0, 1.0, 2.0, 0)])
+    assert m["war/dispatch_step_ms"] == pytest.approx(5.0)
+    assert m["war/dispatch_prefill_us_per_token"] == pytest.approx(40.0)
+    assert m["war/dispatch_moves"] == 0.0 and m["war/dispatch_deferrals"] == 0.0

@@ -512,3 +512,15 @@ def test_valid_records_fixture_is_accepted(tmp_path):
     trajs = load_chat_traces(_write(tmp_path / "ok.json", [_record(0, 0), _record(1, 0)]))
     assert len(trajs) == 2 and len(trajs[1].messages) == len(_small_traj())
     assert trajs[1].messages[2].content == "" and trajs[1].messages[2].tool_calls[1].arguments == {"id": "u7"}
+
+
+def test_task_halves_cut_tasks_in_two_disjoint_balanced_halves():
+    from war_openrlhf.traces import task_halves
+
+    ids = [f"task{i}" for i in (3, 10, 1, 2, 10, 7, 0)]  # repeats: trials of one task
+    h = task_halves(ids)
+    assert h["tuning"] | h["validation"] == set(ids)
+    assert not h["tuning"] & h["validation"]
+    assert abs(len(h["tuning"]) - len(h["validation"])) <= 1
+    assert h == task_halves(reversed(ids))  # order of appearance does not matter
+    assert sorted(set(ids))[0] in h["tuning"]

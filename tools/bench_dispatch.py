@@ -66,7 +66,7 @@ from war_openrlhf.simulation.cluster import (SimConfig, contention_free_makespan
                                              prepare_trajectories, simulate)
 from war_openrlhf.simulation.cost_model import get_preset  # noqa: E402
 from war_openrlhf.traces import (Turn, TokenizedTrajectory, group_trajectories,  # noqa: E402
-                                 load_chat_traces, tokenize_traces)
+                                 load_chat_traces, task_halves, tokenize_traces)
 
 POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv",
                 "verl_kv_aware", "war"]
@@ -238,8 +238,7 @@ GENERATOR_SEEDS = {"tuning": 1, "validation": 0}
 def split_by_task(trajs, split: str):
     """Half of the tasks (GRPO groups): sorted group ids, even positions = ``tuning``, odd =
     ``validation``. A task's trials never straddle the halves."""
-    gids = sorted(group_trajectories(trajs))
-    keep = set(gids[0::2] if split == "tuning" else gids[1::2])
+    keep = task_halves(group_trajectories(trajs))[split]
     return [t for t in trajs if t.group_id in keep]
 
 

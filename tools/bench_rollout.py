@@ -297,8 +297,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="task:arithmetic_calculator",
                     help="task:NAME (an example task) or traces:FILE (recorded trajectories, tau format)")
-    ap.add_argument("--split", choices=("tune", "report", "all"), default="report",
-                    help="traces: which half of the tasks (tune constants on one, report the other)")
+    ap.add_argument("--split", choices=("tune", "report", "tuning", "validation", "all"),
+                    default="report",
+                    help="traces: which half of the tasks (tune constants on one, report the other); "
+                         "tuning/validation are the dispatch benchmarks' halves (the dispatcher "
+                         "was tuned on tuning), tune/report the earlier hash halves")
     ap.add_argument("--max-groups", type=int, help="traces: at most this many tasks (GRPO groups)")
     ap.add_argument("--tool-latency", type=float, default=0.05, help="traces: median tool latency, s")
     ap.add_argument("--tool-jitter", type=float, default=0.5, help="traces: lognormal sigma of the latency")

@@ -31,11 +31,13 @@ sys.path[:0] = [p for p in (str(_HERE.parent / "common"), str(_HERE)) if p not i
 
 from jsonl import write_jsonl  # noqa: E402
 
-SPLITS = ("tune", "report", "all")
+SPLITS = ("tune", "report", "tuning", "validation", "all")
 
 
 def task_split(task_id: int) -> str:
-    """``tune`` or ``report``: half the tasks each, by a hash of the id (not by its order)."""
+    """``tune`` or ``report``: half the tasks each, by a hash of the id (not by its order).
+    The dispatch benchmarks use ``tuning`` / ``validation`` instead
+    (:func:`war_openrlhf.traces.task_halves`), the halves the dispatcher was tuned on / not."""
     return "tune" if hashlib.sha1(str(task_id).encode()).digest()[0] % 2 == 0 else "report"
 
 
@@ -43,7 +45,8 @@ def generate_from_traces(path: str | Path, *, split: str = "report", seed: int =
                          jitter_sigma: float = 0.5, per_env_token_s: float = 0.0,
                          max_groups: int | None = None) -> list[dict]:
     """Rows for the tasks of ``split`` in the trace file at ``path`` (tau-bench format)."""
-    from war_openrlhf.traces import load_chat_traces, qwen25_tokenizer, render_assistant_response
+    from war_openrlhf.traces import (load_chat_traces, qwen25_tokenizer, render_assistant_response,
+                                     task_halves)
     from war_openrlhf.traces.chat_template import GENERATION_PROMPT, render_blocks
 
     if split not in SPLITS:
@@ -54,9 +57,11 @@ def generate_from_traces(path: str | Path, *, split: str = "report", seed: int =
             raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
     trajectories = load_chat_traces(path)
     tokenizer = qwen25_tokenizer()
+    halves = task_halves(t.group_id for t in trajectories)
     groups: dict[int, list] = {}
     for t in trajectories:
-        if split == "all" or task_split(t.task_id) == split:
+        if (split == "all" or (split in halves and t.group_id in halves[split])
+                or task_split(t.task_id) == split):
             groups.setdefault(t.task_id, []).append(t)
     rows = []
     for task_id in sorted(groups)[: max_groups if max_groups else None]:

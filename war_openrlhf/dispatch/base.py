@@ -142,6 +142,11 @@ class DispatchPolicy(abc.ABC):
         engine's in-flight requests when it was dispatched. Policies that cost decisions in
         time fit their rates from these; the others ignore them."""
 
+    def metrics(self) -> dict:
+        """What the policy measured or decided, as scalars for TensorBoard (``war/dispatch_*``);
+        empty for policies that keep nothing worth plotting."""
+        return {}
+
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> Optional[int]:
         """How many leading tokens of ``context`` this policy believes ``engine_id`` holds in its
         prefix cache; ``None`` when the policy keeps no model of the engines' caches."""

@@ -508,6 +508,20 @@ class WarDispatchPolicy(DispatchPolicy):
         for traj in self.trajectories.values():
             traj.hint = {}
 
+    def metrics(self) -> dict:
+        """The measurements behind the decisions (cumulative): moves, deferrals, the share of
+        returning trajectories' prefixes the engines recomputed, and the fitted rates."""
+        p, s0, s1 = self._engine_rates or self.costs.rates()
+        exp = sum(self.expected_reuse)
+        gap = self.tool_gap_s()
+        return {"moves": float(self.moves), "deferrals": float(self.deferrals),
+                "reuse_loss": sum(self.reprefilled) / exp if exp else 0.0,
+                "prefill_us_per_token": p * 1e6, "step_ms": s0 * 1e3,
+                "step_us_per_seq": s1 * 1e6, "tool_gap_s": gap if gap is not None else 0.0,
+                "growth_tokens_per_turn": self.growth_per_turn(),
+                "mean_turns": (float(np.mean(self._finished_turns))
+                               if self._finished_turns else 0.0)}
+
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""
         tc = TrajectoryChain()

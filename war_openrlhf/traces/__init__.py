@@ -27,6 +27,7 @@ from .turns import (
     Turn,
     group_trajectories,
     qwen25_tokenizer,
+    task_halves,
     tokenize_traces,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "TraceFormatError",
     "Turn",
     "group_trajectories",
+    "task_halves",
     "load_chat_traces",
     "qwen25_tokenizer",
     "render_assistant_response",

@@ -45,6 +45,7 @@ __all__ = [
     "Tokenizer",
     "Turn",
     "group_trajectories",
+    "task_halves",
     "qwen25_tokenizer",
     "tokenize_traces",
 ]
@@ -211,3 +212,11 @@ def group_trajectories(trajectories: Iterable[T]) -> dict[str, list[T]]:
         seen.add(trajectory.trajectory_id)
         groups.setdefault(trajectory.group_id, []).append(trajectory)
     return groups
+
+
+def task_halves(group_ids: Iterable[str]) -> dict[str, set[str]]:
+    """The tasks (GRPO groups) of a trace file cut in two halves that never share a task:
+    sorted ids, even positions ``tuning``, odd positions ``validation``. Benchmarks tune on
+    the first and report the second; every benchmark that splits tasks uses this rule."""
+    ids = sorted(set(group_ids))
+    return {"tuning": set(ids[0::2]), "validation": set(ids[1::2])}

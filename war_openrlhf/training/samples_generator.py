@@ -66,6 +66,10 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     for i, s in enumerate(after):
         m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
     m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
+    # what the dispatcher measured and decided (war: moves, deferrals, prefix reuse lost,
+    # fitted rates), so a user sees why it placed turns where it did
+    for k, v in pool.policy.metrics().items():
+        m[f"war/dispatch_{k}"] = float(v)
     # what drafting costs each engine step (the replica's step trace): the budget a user tunes
     # with the index's apply_budget_ms / max_spec_factor, and the log backlog it leaves
     traces = [s.war.get("step_trace") or {} for s in after]
