@@ -129,6 +129,56 @@ def test_two_grpo_steps_through_openrlhfs_trainer(trained_run):
     assert (tmp / "model" / "config.json").is_file()
 
 
+def test_tensorboard_serves_the_runs_scalars_over_http(trained_run):
+    """As a user sees it: ``tensorboard --logdir`` on the run directory, on a loopback port,
+    and the war/ and train/ scalars read back through its HTTP API."""
+    import json
+    import shutil
+    import socket
+    import time
+    import urllib.parse
+    import urllib.request
+
+    tmp, proc, _ = trained_run
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    exe = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
+    assert exe, "tensorboard executable not installed"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([exe, "--logdir", str(tmp / "tb"), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}/data/plugin/scalars"
+    try:
+        deadline = time.monotonic() + 90
+        tags = None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{base}/tags", timeout=5) as r:
+                    tags = json.loads(r.read())
+                if any(t.startswith("war/") for run in tags.values() for t in run):
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            time.sleep(1.0)
+        assert tags, "tensorboard never answered"
+        found = {}
+        for run, run_tags in tags.items():
+            for tag in ("war/reward_mean", "war/rollout_tokens_per_s", "train/timing/generation"):
+                if tag in run_tags:
+                    q = urllib.parse.urlencode({"run": run, "tag": tag})
+                    with urllib.request.urlopen(f"{base}/scalars?{q}", timeout=10) as r:
+                        found[tag] = json.loads(r.read())  # [[wall_time, step, value], ...]
+        for tag in ("war/reward_mean", "war/rollout_tokens_per_s", "train/timing/generation"):
+            assert tag in found and len(found[tag]) == 2, (tag, sorted(found))
+            assert [p[1] for p in found[tag]] == sorted(p[1] for p in found[tag])
+        assert all(p[2] > 0 for p in found["war/rollout_tokens_per_s"])
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def _hf_logprobs(model_dir, traj):
     import torch
     from transformers import AutoModelForCausalLM
