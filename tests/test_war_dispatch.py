@@ -52,7 +52,8 @@ def reference_scores(n, cached, sts, r, lat, w, rem, rates):
        data=st.data())
 def test_scores_are_the_documented_cost_formula(run, data):
     """Random engine states; one engine caches part of the context: choose()'s scores equal
-    the reference formula and the choice is its argmin (ties: the lower id)."""
+    the reference formula and the choice is its argmin (ties: fewer requests, then the lower
+    id)."""
     E = len(run)
     waiting = data.draw(st.lists(st.integers(0, 6), min_size=E, max_size=E))
     pending = data.draw(st.lists(st.integers(0, 20), min_size=E, max_size=E))
@@ -69,7 +70,8 @@ def test_scores_are_the_documented_cost_formula(run, data):
     for k in ref:
         assert pol.last_scores[k] == pytest.approx(ref[k], rel=1e-12)
     best = min(ref.values())
-    assert got == min(k for k, v in ref.items() if v == best)
+    load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in sts}
+    assert got == min((k for k, v in ref.items() if v == best), key=lambda k: (load[k], k))
 
 
 def test_group_sibling_follows_the_cached_prompt_until_load_outweighs_it():
@@ -329,3 +331,12 @@ def test_turn_costs_recovers_exact_rates_and_keeps_the_prior_until_three_turns()
     tc.observe(10, 0, 1, 1.0)  # no response: not a decode measurement, ignored
     tc.observe(10, 5, 1, float("nan"))
     assert tc.n == 22
+
+
+def test_a_degenerate_fit_never_makes_batching_free():
+    """Two CPU engines: a latency fit can explain everything by the step time (prefill and
+    per-sequence rates 0). Then the prior's ratios stand in, so load still spreads turns."""
+    pol = make_policy("war", 2, admission=False)
+    sts = states([6, 0], rates=(0.02, 0.0, 0.0))  # engine 0 busy, the fit says batching is free
+    assert pol.choose(req("a", np.arange(100)), sts) == 1
+    assert pol.last_scores[0] > pol.last_scores[1]

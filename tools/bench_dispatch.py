@@ -157,39 +157,45 @@ def build_workload(base, engines: int, load: str, preset: str, pressure: float,
     return before + chosen, group_size, cap, info
 
 
-def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
-    prepared = prepare_trajectories(trajs)
+def run_policies(prepared, cfg: dict, group_size: int, war_kwargs=None, pbar=None):
+    """Every policy of POLICY_ORDER on the same trajectories and SimConfig(**cfg), and the
+    contention-free ceiling of the measured step: ``(rows, ceiling)``, each row with its
+    ratios to least_loaded and to the best other policy."""
     rows = {}
     for pol in POLICY_ORDER:
         kw = {}
-        if pol == "least_loaded":
+        if pol == "least_loaded":  # OpenRLHF adds n per prompt to the snapshot load
             kw = {"n_samples_per_prompt": group_size}
-        elif pol == "war":
+        elif pol == "war" and war_kwargs:
             kw = dict(war_kwargs)
-        cfg = SimConfig(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
-                        tool_delay_s=args.tool_delay, per_env_token_s=args.per_env_token,
-                        delay_jitter=args.jitter, seed=args.seed,
-                        steps=2 if args.warmup else 1, warmup_steps=1 if args.warmup else 0)
         t0 = time.perf_counter()
-        res = simulate(prepared, pol, cfg, **kw)
-        d = res.to_dict()
+        d = simulate(prepared, pol, SimConfig(**cfg), **kw).to_dict()
         d["policy_kwargs"] = kw
         d["sim_wall_s"] = time.perf_counter() - t0
         rows[pol] = d
         if pbar is not None:
             pbar.update(1)
     # Ceiling: every trajectory alone on its own engine, unlimited KV, the same tool delays --
-    # the makespan no dispatcher on `engines` engines can beat.
-    bound = contention_free_makespan(prepared, cfg)
-    ll = rows["least_loaded"]["throughput_tok_s"]
-    tokens = rows["least_loaded"]["generated_tokens"]
-    ceiling = {"makespan_s": bound, "throughput_tok_s": tokens / bound,
-               "x_least_loaded": rows["least_loaded"]["makespan_s"] / bound}
+    # the makespan no dispatcher can beat.
+    bound = contention_free_makespan(prepared, SimConfig(**cfg))
+    ll = rows["least_loaded"]
+    ceiling = {"makespan_s": bound,
+               "throughput_tok_s": ll["generated_tokens"] / bound if bound else float("nan"),
+               "x_least_loaded": ll["makespan_s"] / bound if bound else float("nan")}
     for pol, d in rows.items():
         peers = [rows[q]["throughput_tok_s"] for q in rows if q != pol]
-        d["x_least_loaded"] = d["throughput_tok_s"] / ll if ll else float("nan")
+        d["x_least_loaded"] = (d["throughput_tok_s"] / ll["throughput_tok_s"]
+                               if ll["throughput_tok_s"] else float("nan"))
         d["x_best_peer"] = d["throughput_tok_s"] / max(peers) if peers else float("nan")
     return rows, ceiling
+
+
+def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
+    cfg = dict(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
+               tool_delay_s=args.tool_delay, per_env_token_s=args.per_env_token,
+               delay_jitter=args.jitter, seed=args.seed,
+               steps=2 if args.warmup else 1, warmup_steps=1 if args.warmup else 0)
+    return run_policies(prepare_trajectories(trajs), cfg, group_size, war_kwargs, pbar)
 
 
 def print_table(rows, info, ceiling):
@@ -297,28 +303,7 @@ def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, a
     cfg = dict(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
                tool_delay_s=tool_s, per_env_token_s=env_s, delay_jitter=args.jitter,
                seed=args.seed, steps=2, warmup_steps=1)
-    prepared = prepare_trajectories(trajs)
-    rows = {}
-    for pol in POLICY_ORDER:
-        kw = {"n_samples_per_prompt": group_size} if pol == "least_loaded" else {}
-        t0 = time.perf_counter()
-        res = simulate(prepared, pol, SimConfig(**cfg), **kw)
-        d = res.to_dict()
-        d["policy_kwargs"] = kw
-        d["sim_wall_s"] = time.perf_counter() - t0
-        rows[pol] = d
-        if bar is not None:
-            bar.update(1)
-    bound = contention_free_makespan(prepared, SimConfig(**cfg))
-    ll = rows["least_loaded"]["makespan_s"]
-    tokens = rows["least_loaded"]["generated_tokens"]
-    ceiling = {"makespan_s": bound, "throughput_tok_s": tokens / bound if bound else float("nan"),
-               "x_least_loaded": ll / bound if bound else float("nan")}
-    llt = rows["least_loaded"]["throughput_tok_s"]
-    for pol, d in rows.items():
-        peers = [rows[q]["throughput_tok_s"] for q in rows if q != pol]
-        d["x_least_loaded"] = d["throughput_tok_s"] / llt if llt else float("nan")
-        d["x_best_peer"] = d["throughput_tok_s"] / max(peers) if peers else float("nan")
+    rows, ceiling = run_policies(prepare_trajectories(trajs), cfg, group_size, pbar=bar)
     info = {"source": source, "split": split, "engines": engines, "pressure": pressure,
             "tools": tools, "tool_delay_s": tool_s, "per_env_token_s": env_s,
             "generated_delay_scale": scale if generated else None, "load": "high",

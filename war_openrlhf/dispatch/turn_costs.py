@@ -32,9 +32,9 @@ from typing import Tuple
 
 import numpy as np
 
-__all__ = ["TurnCosts"]
+__all__ = ["TurnCosts", "PRIOR_RATES"]
 
-_PRIOR = (1.0 / 64, 1.0, 1.0 / 32)  # prefill_s, step_s, step_per_seq_s (in decode steps)
+PRIOR_RATES = (1.0 / 64, 1.0, 1.0 / 32)  # prefill_s, step_s, step_per_seq_s (in decode steps)
 
 
 class TurnCosts:
@@ -47,7 +47,7 @@ class TurnCosts:
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
         self.n = 0
-        self.prefill_s, self.step_s, self.step_per_seq_s = _PRIOR
+        self.prefill_s, self.step_s, self.step_per_seq_s = PRIOR_RATES
         self._dirty = False
         self.response_sum = 0
         self.latency_sum = 0.0

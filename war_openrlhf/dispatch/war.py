@@ -20,6 +20,13 @@ step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
 
 * ``cached_e``: the longest prefix the model says e holds, capped at ``len - 1`` (the engine
   computes the last token) and rounded down to e's blocks.
+* ``s1`` is floored at ``p``: whatever a fit says, a sequence in a decode step costs at least
+  the forward pass of one token, which is what ``p`` measures. A fit of few or noisy turns
+  can say 0 for ``p`` or ``s1`` (seen on two CPU engines: latency explained by the step time
+  alone), which would make batching free and pile every turn onto one engine; a zero takes
+  the cold prior's ratio to the fitted step time instead.
+* The turn goes to ``argmin cost_e``; ties go to the trajectory's engine, then the one with
+  fewer requests, then the lower id.
 * ``b_e = running + waiting + pending_turns``: the requests e will batch, counting the
   trajectories parked on a tool whose next turn comes back to e -- they hold the engine as
   surely as the running ones, which is what makes load balance see the step's stragglers.
@@ -32,8 +39,7 @@ step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
   any finished): the further a trajectory is, the likelier it is the step's straggler, so
   its own time weighs up to twice the delay it causes -- the chain that ends last is the
   step's length.
-* The turn goes to ``argmin cost_e`` (ties: the trajectory's engine, then the lower id). There
-  is no move margin: staying saves ``(1 + running) * p * cached`` seconds, so a trajectory
+* There is no move margin: staying saves ``(1 + running) * p * cached`` seconds, so a trajectory
   moves only when the queue or batch it leaves costs more than recomputing its context.
 
 KV-aware admission (``admission=True``): parked trajectories' blocks sit in vLLM's evictable
@@ -71,9 +77,12 @@ import numpy as np
 
 from .base import DEFER, DispatchPolicy, EngineState, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
-from .turn_costs import TurnCosts
+from .turn_costs import PRIOR_RATES, TurnCosts
 
-_UNSET_CAPACITY = 1 << 62  # until the first snapshot tells the capacity
+_UNSET_CAPACITY = 1 << 62
+# the cold prior's ratios to a decode step (turn_costs.py): used where a fit says 0
+_PRIOR_PREFILL = PRIOR_RATES[0] / PRIOR_RATES[1]
+_PRIOR_PER_SEQ = PRIOR_RATES[2] / PRIOR_RATES[1]  # until the first snapshot tells the capacity
 
 
 class _Live:
@@ -359,7 +368,11 @@ class WarDispatchPolicy(DispatchPolicy):
             blocks = matched.get(eid)
             return whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid]) if blocks else 0
 
-        p, _, s1 = self._rates(healthy)
+        p, s0, s1 = self._rates(healthy)
+        if p <= 0.0 or s1 <= 0.0:  # a degenerate fit: the prior's ratios to the step time
+            p = p if p > 0.0 else s0 * _PRIOR_PREFILL
+            s1 = s1 if s1 > 0.0 else s0 * _PRIOR_PER_SEQ
+        s1 = s1 if s1 > p else p  # a decoded token is at least one token's forward pass
         r = self.costs.mean_response
         lat = self.costs.mean_latency
         k = rec.turns if rec is not None else 0
@@ -405,8 +418,10 @@ class WarDispatchPolicy(DispatchPolicy):
         best = min(scores.values())
         if cur is not None and scores.get(cur) == best:
             chosen = cur
-        else:
-            chosen = min(eid for eid, sc in scores.items() if sc == best)
+        else:  # ties: the engine with fewer requests, then the lower id
+            load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in healthy}
+            chosen = min((eid for eid, sc in scores.items() if sc == best),
+                         key=lambda eid: (load[eid], eid))
 
         if is_new:
             self.trajectories[tid] = traj

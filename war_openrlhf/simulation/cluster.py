@@ -617,6 +617,18 @@ class _Engine:
 
 
 # ---- the simulator ---------------------------------------------------------------------------
+def _step_slices(trajs: Sequence[_Traj], steps: int) -> List[List[_Traj]]:
+    """Groups in first-appearance order, split into ``steps`` contiguous synchronous steps
+    (fewer when there are fewer groups)."""
+    groups: Dict[str, List[_Traj]] = {}
+    for t in trajs:
+        groups.setdefault(t.gid, []).append(t)
+    glist = list(groups.values())
+    n = min(steps, len(glist))
+    bounds = np.linspace(0, len(glist), n + 1).round().astype(int)
+    return [[t for g in glist[bounds[s]:bounds[s + 1]] for t in g] for s in range(n)]
+
+
 def _critical_path(paths: List[dict], engines: List["_Engine"], busy_at_start: List[float]) -> dict:
     """The step's critical path: the trajectory that finished last, its time split into
     admission wait (deferred first turn), tool calls, queueing for a batch slot or KV, prefill
@@ -678,13 +690,8 @@ class ClusterSimulator:
         ledger = Ledger({(t.tid, i): t.resp_lens[i] for t in trajs for i in range(t.turns)},
                         {t.tid: t.turns for t in trajs})
 
-        # Groups in first-appearance order, split into contiguous synchronous steps.
-        groups: Dict[str, List[_Traj]] = {}
-        for t in trajs:
-            groups.setdefault(t.gid, []).append(t)
-        glist = list(groups.values())
-        nsteps = min(cfg.steps, len(glist))
-        bounds = np.linspace(0, len(glist), nsteps + 1).round().astype(int)
+        step_lists = _step_slices(trajs, cfg.steps)
+        nsteps = len(step_lists)
 
         decision_s: List[float] = []
         turn_lat: List[float] = []
@@ -704,7 +711,7 @@ class ClusterSimulator:
         perf = time.perf_counter
 
         for s in range(nsteps):
-            step_trajs = [t for g in glist[bounds[s]:bounds[s + 1]] for t in g]
+            step_trajs = step_lists[s]
             t0 = now
             measured = s >= cfg.warmup_steps
             if s > 0 and cfg.reset_cache_each_step:
@@ -843,7 +850,7 @@ class ClusterSimulator:
         makespan = float(sum(step_spans[cfg.warmup_steps:]))
         busy = [e.busy_s - b for e, b in zip(engines, busy_measured)]
         mean_busy = float(np.mean(busy))
-        measured_trajs = [t for g in glist[bounds[cfg.warmup_steps]:] for t in g]
+        measured_trajs = [t for step in step_lists[cfg.warmup_steps:] for t in step]
         o_cached, o_total = oracle_hit_rate(measured_trajs, self.cost.block_size)
         return SimResult(
             policy=getattr(pol, "name", type(pol).__name__),
@@ -889,16 +896,10 @@ def contention_free_makespan(trajectories, config: SimConfig) -> float:
              else prepare_trajectories(trajectories))
     rng = np.random.default_rng(config.seed)
     jitter = {t.tid: 1.0 + config.delay_jitter * (2.0 * rng.random(t.turns) - 1.0) for t in trajs}
-    groups: Dict[str, List[_Traj]] = {}
-    for t in trajs:
-        groups.setdefault(t.gid, []).append(t)
-    glist = list(groups.values())
-    nsteps = min(config.steps, len(glist))
-    bounds = np.linspace(0, len(glist), nsteps + 1).round().astype(int)
     worst = 0.0
-    for s in range(config.warmup_steps, nsteps):
+    for step in _step_slices(trajs, config.steps)[config.warmup_steps:]:
         span = 0.0
-        for t in (t for g in glist[bounds[s]:bounds[s + 1]] for t in g):
+        for t in step:
             alone = copy.copy(t)
             if alone.delays is None:
                 alone.delays = [(config.tool_delay_s + config.per_env_token_s * t.env[i])

@@ -1,0 +1,50 @@
+"""tools/bench_dispatch.py end to end on a small matrix: the suite runs, keeps the JSON shape
+results are compared by across versions, and a matrix run in parts merges to the same summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_dispatch.py"
+
+
+def _run(*args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, str(TOOL), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_suite_runs_keeps_the_json_shape_and_merges(tmp_path):
+    common = ["--suite", "--sources", "gen:math_tool,gen:chatty_long_responses", "--per-engine", "2",
+              "--suite-pressures", "2", "--suite-tools", "fast"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    out = _run(*common, "--suite-engines", "2", "--json", str(a))
+    _run(*common, "--suite-engines", "3", "--json", str(b))
+    assert "min over 2 cells of war / best peer" in out
+    data = json.loads(a.read_text())
+    assert data["split"] == "validation" and data["generator_seed"] == 0
+    for run in data["runs"]:
+        assert run["ceiling"]["x_least_loaded"] >= 0.999  # nothing beats the ceiling
+        for pol, res in run["results"].items():
+            assert res["throughput_tok_s"] > 0
+            assert res["critical_paths"] and res["makespan_s"] >= run["ceiling"]["makespan_s"] * 0.999, pol
+        assert run["workload"]["kv_capacity_tokens_per_engine"] >= run["workload"]["longest_sequence_tokens"]
+    merged = tmp_path / "m.json"
+    _run("--suite-from", str(a), str(b), "--json", str(merged), "--plot", str(tmp_path / "m.png"))
+    m = json.loads(merged.read_text())
+    assert len(m["runs"]) == 4 and (tmp_path / "m.png").stat().st_size > 0
+    ratios = [c["war_over_best_peer"] for c in m["cells"]]
+    assert m["summary"]["min_war_over_best_peer"] == min(ratios)
+
+
+def test_suite_from_refuses_a_non_suite_file(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"runs": []}))
+    proc = subprocess.run([sys.executable, str(TOOL), "--suite-from", str(bad), "--json", str(tmp_path / "o.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not a --suite result" in proc.stderr
