@@ -48,3 +48,11 @@ def test_suite_from_refuses_a_non_suite_file(tmp_path):
     proc = subprocess.run([sys.executable, str(TOOL), "--suite-from", str(bad), "--json", str(tmp_path / "o.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not a --suite result" in proc.stderr
+
+
+def test_suite_refuses_an_unknown_source_naming_the_known_ones(tmp_path):
+    proc = subprocess.run([sys.executable, str(TOOL), "--suite", "--sources", "gen:nope",
+                           "--json", str(tmp_path / "o.json")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "unknown source 'gen:nope'" in proc.stderr
+    assert "gen:math_tool" in proc.stderr

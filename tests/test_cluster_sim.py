@@ -334,3 +334,26 @@ def test_contention_free_makespan_equals_one_engine_per_trajectory():
     # a warm-up step is not part of the bound: only the measured step's trajectories count
     two = cfg(num_engines=2, delay_jitter=0.4, seed=3, steps=2, warmup_steps=1)
     assert contention_free_makespan(trajs, two) <= contention_free_makespan(trajs, c) + 1e-12
+
+
+def test_engines_report_their_step_costs_from_a_regression_of_their_steps():
+    """The snapshot carries the engine's own step regression (what war costs turns with):
+    on the H100 preset, a prefilled token costs prefill_per_token_s and a step at least the
+    weights' read."""
+    from war_openrlhf.dispatch import StickyPolicy
+
+    seen = []
+
+    class Recording(StickyPolicy):
+        def choose(self, request, engines):
+            seen.append(engines[0])
+            return super().choose(request, engines)
+
+    trajs = workload(groups=12, trials=2, turns=6, prompt_len=900, resp=40, env=300)
+    simulate(trajs, Recording(1), cfg(num_engines=1))
+    last = seen[-1]
+    h = get_preset("h100_qwen7b")
+    assert last.prefill_token_s == pytest.approx(h.prefill_per_token_s, rel=0.15)
+    assert last.step_s == pytest.approx(h.step_overhead_s, rel=0.15)
+    assert last.step_per_seq_s > 0
+    assert seen[0].step_s == 0.0  # nothing measured before the first steps

@@ -454,6 +454,12 @@ def run_suite(args):
     base = tokenize_traces(load_chat_traces(args.traces)) if "tau" in sources else None
     engines = [int(x) for x in args.suite_engines.split(",")]
     pressures = [float(x) for x in args.suite_pressures.split(",")]
+    from war_openrlhf.simulation.workloads import NAMED_SPECS
+
+    for src in sources:
+        if src != "tau" and not (src.startswith("gen:") and src[4:] in NAMED_SPECS):
+            raise SystemExit(f"--sources: unknown source {src!r}; known: tau, "
+                             + ", ".join(f"gen:{n}" for n in NAMED_SPECS))
     tools = args.suite_tools.split(",")
     for t in tools:
         if t not in TOOL_SPEEDS:

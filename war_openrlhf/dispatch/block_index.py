@@ -207,6 +207,14 @@ class BlockHashIndex:
     def matched_blocks(self, engine: int, chain: List[int]) -> int:
         return self.match_all(chain, 1 << engine).get(engine, 0)
 
+    def match_engines(self, chain: List[int], engines: Iterable,
+                      hint: Optional[Dict[int, int]] = None) -> Dict[int, int]:
+        """:meth:`match_all` over the engines of ``engines`` (snapshots with ``engine_id``)."""
+        mask = 0
+        for e in engines:
+            mask |= 1 << e.engine_id
+        return self.match_all(chain, mask, hint)
+
     def match_all(self, chain: List[int], mask: int,
                   hint: Optional[Dict[int, int]] = None) -> Dict[int, int]:
         """Longest cached prefix (in blocks) of ``chain`` for every engine in ``mask``.

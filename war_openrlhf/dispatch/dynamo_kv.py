@@ -76,10 +76,7 @@ class DynamoKvPolicy(DispatchPolicy):
                 self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
         chain = chain_hashes(np.asarray(request.context_token_ids, dtype=np.int32))
         isl = len(request.context_token_ids)
-        mask = 0
-        for e in healthy:
-            mask |= 1 << e.engine_id
-        matched = self.index.match_all(chain, mask)
+        matched = self.index.match_engines(chain, healthy)
         logits: Dict[int, float] = {}
         for e in healthy:
             i = e.engine_id

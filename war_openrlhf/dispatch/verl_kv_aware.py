@@ -267,10 +267,7 @@ class VerlKvAwarePolicy(DispatchPolicy):
 
     def gpu_hits(self, healthy: Sequence[EngineState], hashes: List[int], n_tokens: int) -> Dict[int, float]:
         """``gpu_hit`` per engine: leading full blocks it holds / full blocks of the prompt."""
-        mask = 0
-        for e in healthy:
-            mask |= 1 << e.engine_id
-        matched = self.index.match_all(hashes, mask)
+        matched = self.index.match_engines(hashes, healthy)
         out: Dict[int, float] = {}
         for e in healthy:
             bs = self.block_sizes[e.engine_id]

@@ -4,19 +4,25 @@ A synchronous RL step ends when its slowest trajectory ends, and a trajectory is
 turns and tool calls. So each turn goes where it finishes soonest *and* slows the others
 least, and a new trajectory starts only where the KV cache can keep what the live ones will
 need again after their tool calls. Nothing here is a constant fit to one trace: the rates
-come from :class:`~.turn_costs.TurnCosts` (every finished turn's latency, regressed on its
-uncached prompt, its response and the engine's batch), the cache state from a block-hash
-model of every engine (:class:`~.block_index.BlockHashIndex`, bounded by each engine's
-reported KV capacity and counted in its own ``kv_block_size``), and the admission limit from
-the re-prefill the engines actually report.
+are the engines' own step regression (``EngineState.step_s``, ``step_per_seq_s``,
+``prefill_token_s``), else :class:`~.turn_costs.TurnCosts` (every finished turn's latency,
+regressed on its uncached prompt, its response and the engine's batch); the cache state is a
+block-hash model of every engine (:class:`~.block_index.BlockHashIndex`, bounded by each
+engine's reported KV capacity and counted in its own ``kv_block_size``); the workload's shape
+(turn counts, growth per turn, tool gap) is measured from the turns it dispatches.
 
 Per ``choose()`` and healthy engine ``e`` (``p`` = prefill seconds per token, ``s1`` = decode
-step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
+step seconds added per sequence, ``r`` = mean response tokens, ``R`` = expected turns left
+of this trajectory, all measured)::
 
     u_e     = len(context) - cached_e                  # tokens e must prefill
-    wait_e  = waiting_e * mean_turn_latency / (running_e + 1)
-    cost_e  = w * (wait_e + p * u_e + r * s1 * (b_e + 1))      # this turn's own time
-            + running_e * p * u_e + b_e * r * s1               # the delay it adds to the others
+    cost_e  = w * (wait_e + p * u_e + R * r * s1 * (b_e + 1))  # this turn's own time
+            + running_e * p * u_e + R * b_e * r * s1           # the delay it adds to the others
+            + p * overflow_e * R * (running_e + 1)             # evictions it forces (admission)
+
+* ``R``: sum over j >= k of P(T > j) / P(T > k) for a trajectory with k turns done, from the
+  turn counts of finished trajectories (1 before any): the engine a turn picks is where the
+  trajectory's next turns decode too, so batch costs count that many times, a prefill once.
 
 * ``cached_e``: the longest prefix the model says e holds, capped at ``len - 1`` (the engine
   computes the last token) and rounded down to e's blocks.
@@ -45,24 +51,23 @@ step seconds added per sequence, ``r`` = mean response tokens, all fitted)::
 KV-aware admission (``admission=True``): parked trajectories' blocks sit in vLLM's evictable
 LRU, and an LRU over a cyclic working set larger than the cache misses on every return, so
 once the live trajectories of an engine outgrow its KV every turn recomputes its whole
-context. A *first* turn is therefore placed only on an engine where
-
-    sum over its live trajectories of max(own_i, final - shared_i) + (final - cached_e)
-        <= kappa_e * kv_capacity_e
-
-``own_i`` = the tokens trajectory i added beyond the prefix it found cached when admitted
-(``shared_i``: a shared system or group prompt is counted once), ``final`` = the mean final
-size of finished trajectories (before any finished: the current sizes, i.e. no growth is
-assumed until some is seen), ``kappa_e`` = 1 - (re-prefilled / expected reused tokens) on
-e: the fraction of a returning trajectory's own prefix the engine reported missing, measured
-on every turn that stayed on its engine. If no engine qualifies, ``choose`` returns
-:data:`~.base.DEFER` and the caller offers the turn again when a turn finishes; it never
-defers a later turn, on an engine with no live trajectory, or when no trajectory is live.
+context. ``overflow_e`` is the number of tokens by which this trajectory (new, or moving to
+e) pushes e's projected peak live footprint past its budget (the KV less the shared prompt):
+over the coming rounds, each live trajectory is still live with its conditional survival
+probability and then holds its own tokens + the measured growth per turn; the peak is taken
+of the mean + 2 standard deviations of that sum (past the KV the LRU loses everything, a
+cliff, so the footprint must fit with ~98% probability). A trajectory's own engine never
+overflows. If every engine would overflow for a *first* turn, ``choose`` returns
+:data:`~.base.DEFER` -- but only when :meth:`deferral_pays`: a fluid model of the step, all
+trajectories now with recomputation against waves without, from the measured tool gap,
+rates and trajectories per step, says waves finish sooner (with slow tools they rarely do).
+It never defers a later turn or when no trajectory is live; the caller offers a deferred
+turn again when a turn finishes.
 
 Cache bookkeeping: a new trajectory's prompt is recorded on the chosen engine at ``choose()``
 (vLLM caches a prompt as soon as it is prefilled, which lets the other samples of a GRPO
 group find it); every turn's context + response in ``on_turn_finished``, O(new blocks).
-A weight sync (``on_prefix_cache_reset``) empties the model; rates, sizes and ``kappa`` stay.
+A weight sync (``on_prefix_cache_reset``) empties the model; the measurements stay.
 
 Options: ``kv_capacity_tokens`` (per engine, int or sequence; ``None`` takes it from the
 engine snapshots and follows it when it changes) and ``admission`` (``False``: never defer).
@@ -322,12 +327,6 @@ class WarDispatchPolicy(DispatchPolicy):
         after = self.peak_need(e, (k, tokens))
         return max(0.0, after - max(before, self.budget(e)))
 
-    def footprint(self, e: int) -> float:
-        """Modelled live footprint of engine ``e``: its live trajectories' tokens beyond the
-        shared prompt."""
-        shared = self._shared0_sum / max(self._x0_count, 1)
-        return sum(max(rec.tokens - shared, 0.0) for rec in self._live.values() if rec.engine == e)
-
     def budget(self, e: int) -> float:
         """Live footprint (tokens beyond the shared prompt) engine ``e`` is given: its KV
         capacity less the shared prompt, which every live trajectory uses once."""
@@ -357,10 +356,7 @@ class WarDispatchPolicy(DispatchPolicy):
         traj.sync(ctx)
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
-        mask = 0
-        for e in healthy:
-            mask |= 1 << e.engine_id
-        matched = self.index.match_all(traj.hashes, mask, traj.hint)
+        matched = self.index.match_engines(traj.hashes, healthy, traj.hint)
         traj.hint = matched
         bsz = self.block_sizes
 

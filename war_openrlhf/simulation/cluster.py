@@ -403,8 +403,9 @@ class _Engine:
         self.evicted = 0
         # The engine's own step-cost regression (what a real engine measures of its steps):
         # duration ~ step_s + step_per_seq_s * sequences + prefill_token_s * prefill tokens.
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        # running sums of (1, n, m) x (1, n, m) and x duration, n = sequences, m = prefill
+        # tokens (plain floats: this runs every simulated step)
+        self._sums = [0.0] * 9
         self._fit_steps = 0
         self.rates = (0.0, 0.0, 0.0)
 
@@ -535,7 +536,6 @@ class _Engine:
                                     f"(running {len(self.running)}, waiting {len(self.waiting)})")
         self.sched = sched
         dur = self.cost.step_time(n_dec, ctx_tokens, prefill, pairs)
-        x = np.array([1.0, float(len(sched)), float(prefill)])
         if n_dec and self.spec_drafted:
             cost = self.cost
             drafts = n_dec * self.spec_drafted
@@ -544,8 +544,16 @@ class _Engine:
             else:  # a verified draft token costs a prefill token's compute
                 dur += cost.prefill_per_token_s * drafts
         self.busy_s += dur
-        self._xtx += np.outer(x, x)
-        self._xty += x * dur
+        n, m, acc = len(sched), prefill, self._sums
+        acc[0] += 1.0
+        acc[1] += n
+        acc[2] += m
+        acc[3] += n * n
+        acc[4] += n * m
+        acc[5] += m * m
+        acc[6] += dur
+        acc[7] += n * dur
+        acc[8] += m * dur
         self._fit_steps += 1
         if self._fit_steps % _RATE_REFIT_STEPS == 0:
             self._refit()
@@ -553,11 +561,14 @@ class _Engine:
 
     def _refit(self) -> None:
         """Least squares of the recorded steps (a feature that never varied is dropped)."""
+        c, n, m, nn, nm, mm, y, ny, my = self._sums
+        xtx = np.array([[c, n, m], [n, nn, nm], [m, nm, mm]])
+        xty = np.array([y, ny, my])
         for cols in ((0, 1, 2), (0, 1), (0, 2), (0,)):
             idx = list(cols)
-            sub = self._xtx[np.ix_(idx, idx)]
+            sub = xtx[np.ix_(idx, idx)]
             if np.linalg.cond(sub) < 1e12:
-                coef = np.linalg.solve(sub, self._xty[idx])
+                coef = np.linalg.solve(sub, xty[idx])
                 if (coef >= 0).all():
                     full = np.zeros(3)
                     full[idx] = coef
