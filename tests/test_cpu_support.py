@@ -403,6 +403,41 @@ print("RESULT " + json.dumps(dict(
     assert sum(p.startswith("openrlhf.trainer.ppo_utils.replay_buffer") for p in out["patches"]) == 1
 
 
+def test_cpu_training_runs_float32_with_torch_adamw_and_builds_no_jit_ops():
+    """bf16 matmuls are ~10x slower than float32 on CPUs without bf16 units, and DeepSpeed's
+    FusedAdam and shared-memory all-reduce are C++ JIT builds of a minute each on first
+    start: on CPU the trainer loads and trains float32 with torch's AdamW and builds neither."""
+    code = """
+import json
+from types import SimpleNamespace as NS
+from war_openrlhf.cpu import apply_cpu_support, applied_patches
+apply_cpu_support()
+import sys
+import deepspeed.comm.torch  # noqa: F401  (deepspeed.comm.torch the attribute is torch itself)
+dct = sys.modules["deepspeed.comm.torch"]
+import openrlhf.utils.deepspeed.deepspeed as ds
+from openrlhf.utils.utils import convert_to_torch_dtype
+import openrlhf.models.actor  # noqa: F401  (imports convert_to_torch_dtype inside Actor.__init__)
+me = NS(adam_offload=False, stage=0, param_dtype="bf16", max_norm=1.0, zpg=1, grad_accum_dtype=None,
+        overlap_comm=False, use_ds_universal_ckpt=False, deepcompile=False, ds_tensor_parallel_size=1,
+        use_dynamic_batch=False, micro_train_batch_size=2, train_batch_size=4, ring_attn_size=1)
+optim = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
+train = ds.DeepspeedStrategy.get_ds_train_config(me, optim, max_norm=1.0)
+evalc = ds.DeepspeedStrategy.get_ds_eval_config(me)
+print("RESULT " + json.dumps(dict(
+    dtype=str(convert_to_torch_dtype("bf16")), fp16=str(convert_to_torch_dtype("fp16")),
+    train_bf16=train["bf16"]["enabled"], eval_bf16=evalc["bf16"]["enabled"],
+    torch_adam=train["optimizer"]["params"].get("torch_adam"), lr=train["optimizer"]["params"]["lr"],
+    shm=dct.build_shm_op(), patches=applied_patches())))
+"""
+    out = _run_python(code)
+    assert out["dtype"] == out["fp16"] == "torch.float32"
+    assert out["train_bf16"] is False and out["eval_bf16"] is False
+    assert out["torch_adam"] is True and out["lr"] == 1e-3  # the user's optimizer settings kept
+    assert out["shm"] is None
+    assert any(p.startswith("deepspeed.comm.torch.build_shm_op") for p in out["patches"])
+
+
 def test_apply_is_a_no_op_when_cuda_is_available():
     code = """
 import json, sys, torch

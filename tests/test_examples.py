@@ -229,6 +229,22 @@ def test_arithmetic_labels_are_correct():
         assert 2 <= n_ops <= 4, problem
 
 
+def test_arithmetic_basic_level_is_one_operation_in_story_order_with_a_short_prompt():
+    problems = ar_ds.sample_problems(300, seed=3, level="basic")
+    rows = ar_ds.generate(300, seed=3, level="basic")
+    assert {p.template for p in problems} == set(ar_ds.BASIC_TEMPLATES)
+    for problem, row in zip(problems, rows):
+        assert row["label"] == str(problem.answer) and problem.question in row["prompt"]
+        assert calc.safe_eval(problem.expression) == problem.answer == eval(problem.expression) >= 0
+        a, op, b = problem.expression.split()
+        assert op in "+-*" and int(a) in ar_ds.BASIC_FIRST and int(b) in ar_ds.BASIC_SECOND
+        assert re.findall(r"\d+", problem.question) == [a, b]  # the numbers as the story states them
+        assert "<tool_call>" in row["prompt"] and len(row["prompt"]) < len(ar_ds.make_prompt(problem.question)) / 3
+    assert ar_ds.generate(5, seed=3) != ar_ds.generate(5, seed=3, level="basic")
+    with pytest.raises(ValueError, match="level: must be one of"):
+        ar_ds.generate(1, seed=0, level="hard")
+
+
 _LEAF = st.one_of(
     st.integers(0, 1000).map(str),
     st.floats(0, 1000, allow_nan=False, allow_infinity=False).map(lambda x: repr(round(x, 3))),

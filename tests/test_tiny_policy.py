@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -221,6 +222,37 @@ def test_build_refuses_a_foreign_directory_and_bad_specs(tmp_path):
         tiny_policy.tiny_policy_spec(steps=-1)
     with pytest.raises(ValueError, match="batch_sizes"):
         tiny_policy.tiny_policy_spec(batch_sizes={"no_such_task": 2})
+
+
+def test_spec_takes_a_task_subset_the_basic_level_and_tied_embeddings():
+    spec = tiny_policy.tiny_policy_spec(tasks=["arithmetic_calculator"], arithmetic_level="basic",
+                                        tie_embeddings=True)
+    assert spec["data"]["tasks"] == ["arithmetic_calculator"] and spec["data"]["arithmetic_level"] == "basic"
+    assert set(spec["train"]["batch_sizes"]) == {"arithmetic_calculator"}
+    assert spec["model"]["tie_embeddings"] is True
+    assert "tie_embeddings" not in tiny_policy.tiny_policy_spec()["model"]  # default specs unchanged
+    assert tiny_policy._model_kwargs(spec)["tie_embeddings"] is True
+    with pytest.raises(ValueError, match="tasks"):
+        tiny_policy.tiny_policy_spec(tasks=["arithmetic_calculator", "arithmetic_calculator"])
+    with pytest.raises(ValueError, match="tasks"):
+        tiny_policy.tiny_policy_spec(tasks=[])
+    with pytest.raises(ValueError, match="arithmetic_level"):
+        tiny_policy.tiny_policy_spec(arithmetic_level="hard")
+    with pytest.raises(ValueError, match="batch_sizes: must map the tasks arithmetic_calculator"):
+        tiny_policy.tiny_policy_spec(tasks=["arithmetic_calculator"], batch_sizes={"sql_qa": 2})
+
+
+def test_basic_level_transcripts_use_the_short_prompt_and_solve_it(tokenizer):
+    ts = scripted_transcripts(tokenizer, "arithmetic_calculator", 6, level="basic", n_eval=2)
+    words = scripted_transcripts(tokenizer, "arithmetic_calculator", 6, n_eval=2)
+    assert max(t.prompt_len for t in ts) < min(t.prompt_len for t in words) / 2
+    for t in ts:
+        text = tokenizer.decode(t.input_ids)
+        call = re.search(r'"expression": "(\d+) ([-+*]) (\d+)"', text)
+        answer = re.search(r"<answer>(\d+)</answer>", text)
+        assert call and answer, text
+        a, op, b = int(call.group(1)), call.group(2), int(call.group(3))
+        assert int(answer.group(1)) == {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
 def test_spec_records_what_changes_the_transcripts():

@@ -90,6 +90,28 @@ def load_task(name: str):
     return mod, d / "agent.py"
 
 
+def read_prompt_rows(path: str, n: int) -> list[dict]:
+    """The first ``n`` ``{prompt, label}`` rows of a JSONL file (an error names the file, line and field)."""
+    rows = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if len(rows) == n:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"--prompts: {path}:{line_no}: not JSON ({e.msg})")
+            for key in ("prompt", "label"):
+                if not isinstance(row, dict) or not isinstance(row.get(key), str):
+                    raise SystemExit(f"--prompts: {path}:{line_no}: field {key!r} must be a string")
+            rows.append(row)
+    if len(rows) < n:
+        raise SystemExit(f"--prompts: {path} has {len(rows)} rows, the run needs {n}")
+    return rows
+
+
 def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_latency: float, jitter: float,
                 per_env_token: float):
     """(rows, agent file) of a ``traces:FILE`` workload (examples/trace_replay)."""
@@ -258,8 +280,14 @@ def _vllm_counters(engines):
     return total
 
 
-def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature):
+def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, war_engines=False):
+    import ray
+
     from war_openrlhf.baselines.openrlhf_rollout import run_openrlhf_rollout
+
+    if war_engines:  # OpenRLHF's path on WAR engines: vLLM as OpenRLHF runs it (no drafting)
+        ray.get([h.set_speculation.remote("off") for h in engines])
+        ray.get([h.reset_prefix_cache.remote() for h in engines])
 
     before = _vllm_counters(engines)
     exps, st = run_openrlhf_rollout(engines, prompts, labels, tokenizer=tokenizer, n_samples_per_prompt=n,
@@ -302,6 +330,9 @@ def main(argv=None):
                     help="traces: which half of the tasks (tune constants on one, report the other); "
                          "tuning/validation are the dispatch benchmarks' halves (the dispatcher "
                          "was tuned on tuning), tune/report the earlier hash halves")
+    ap.add_argument("--prompts", metavar="FILE.jsonl",
+                    help="task: take the prompts from this JSONL file ({prompt, label} rows, the first "
+                         "prompts-per-engine x engines of them) instead of the task's generated ones")
     ap.add_argument("--max-groups", type=int, help="traces: at most this many tasks (GRPO groups)")
     ap.add_argument("--tool-latency", type=float, default=0.05, help="traces: median tool latency, s")
     ap.add_argument("--tool-jitter", type=float, default=0.5, help="traces: lognormal sigma of the latency")
@@ -324,6 +355,10 @@ def main(argv=None):
     ap.add_argument("--cost-model", default=None, metavar="FILE.json",
                     help="traces: also run the workload through the simulator with this fitted cost model "
                          "(bench_engine.py --fit-costs) and report predicted vs measured speed-up per config")
+    ap.add_argument("--same-engines", action="store_true",
+                    help="run the openrlhf baseline on the WAR engines (speculation off, OpenRLHF's dispatch and "
+                         "agent executor inside the engine actor) instead of starting OpenRLHF's own engine "
+                         "actors: one engine set, half the start-up; the vLLM engines are configured alike either way")
     kv = ap.add_mutually_exclusive_group()
     kv.add_argument("--kv-tokens", type=int, help="KV-cache tokens per engine, every configuration")
     kv.add_argument("--pressure", type=float, help="live context per engine / KV capacity (calibrated)")
@@ -336,6 +371,9 @@ def main(argv=None):
         raise SystemExit("--engines and --repeats must be >= 1")
     if args.pressure is not None and not args.pressure > 0:
         raise SystemExit("--pressure: must be > 0")
+    if args.same_engines and "openrlhf_vllm_suffix" in configs:
+        raise SystemExit("--same-engines: openrlhf_vllm_suffix needs engines started with vLLM's suffix method; "
+                         "drop it from --configs or run without --same-engines")
 
     import ray
     from transformers import AutoTokenizer
@@ -348,7 +386,10 @@ def main(argv=None):
     if args.workload.startswith("task:"):
         dataset, agent_file = load_task(args.workload.split(":", 1)[1])
         per_engine = args.low_prompts if args.load == "low" else args.high_prompts
-        rows = dataset.generate(per_engine * args.engines, args.seed)
+        if args.prompts:
+            rows = read_prompt_rows(args.prompts, per_engine * args.engines)
+        else:
+            rows = dataset.generate(per_engine * args.engines, args.seed)
         n = args.n_samples
         args.max_len = args.max_len or 2048
         model = resolve_model(args.model or "policy")
@@ -401,9 +442,12 @@ def main(argv=None):
 
     runners = {}
     war_names = [c for c in configs if c in WAR_CONFIGS]
-    if war_names:
+    handles = None
+    if war_names or args.same_engines:
         ecfg = RolloutConfig(**{**cfg_kwargs, "engine": {**engine_kw, "kv_capacity_tokens": kv_tokens}}).engine
-        handles = create_war_engines(args.engines, ecfg, placement_group=True)
+        handles = create_war_engines(args.engines, ecfg, placement_group=True,
+                                     agent_func_path=str(agent_file) if args.same_engines else None)
+    if war_names:
         run_war(handles, cfg_kwargs, war_names[0], prompts[:args.engines], labels[:args.engines], 1, tokenizer,
                 agent_cls)  # warm-up
         for name in war_names:
@@ -414,14 +458,17 @@ def main(argv=None):
         if name not in configs:
             continue
         spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens} if method else None
-        engines = start_openrlhf_engines(args.engines, model, agent_func_path=str(agent_file),
-                                         max_model_len=args.max_len, seed=0, kv_capacity_tokens=kv_tokens,
-                                         speculative_config=spec)
-        baseline_sets.append(engines)
+        if args.same_engines:
+            engines = handles
+        else:
+            engines = start_openrlhf_engines(args.engines, model, agent_func_path=str(agent_file),
+                                             max_model_len=args.max_len, seed=0, kv_capacity_tokens=kv_tokens,
+                                             speculative_config=spec)
+            baseline_sets.append(engines)
         run_baseline(engines, prompts[:args.engines], labels[:args.engines], 1, tokenizer, args.max_len,
-                     args.temperature)  # warm-up
+                     args.temperature, args.same_engines)  # warm-up
         runners[name] = (lambda engines=engines: run_baseline(engines, prompts, labels, n, tokenizer, args.max_len,
-                                                              args.temperature))
+                                                              args.temperature, args.same_engines))
     results = {c: [] for c in configs}
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
@@ -430,7 +477,7 @@ def main(argv=None):
             results[name].append(out)
             print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
                   f"{out['generated_tokens']} tokens", file=sys.stderr, flush=True)
-    if war_names:
+    if handles is not None:
         for h in handles:
             ray.get(h.shutdown.remote())
             ray.kill(h)
@@ -448,7 +495,7 @@ def main(argv=None):
     def write(**extra):
         out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(), "cuda": cuda,
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
-               "model": str(model), "engines": args.engines,
+               "model": str(model), "engines": args.engines, "same_engines": args.same_engines,
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
                "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
                "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,

@@ -4,7 +4,11 @@ Each problem is a short story (shopping, travel, sharing, savings, ...) needing 
 integer operations. Its answer is computed directly in Python and its solution is also
 kept as a calculator expression, so the two can be checked against each other.
 
-    python examples/arithmetic_calculator/dataset.py --out train.jsonl --n 2000 --seed 0
+``--level basic`` gives one-operation problems instead (two numbers, ``+``, ``-`` or ``*``,
+in the order the story states them): the level a very small model can learn to solve, used
+by the CPU demo so that GRPO starts from a policy that succeeds part of the time.
+
+    python examples/arithmetic_calculator/dataset.py --out train.jsonl --n 2000 --seed 0 [--level basic]
 
 writes JSONL rows ``{"prompt": ..., "label": "<integer answer>"}``.
 """
@@ -167,6 +171,43 @@ def _doubling(rng: random.Random) -> Problem:
     return Problem("doubling", question, f"{start} * 2 ** {hours} - {removed}", start * 2**hours - removed)
 
 
+# The basic level's numbers: the first from BASIC_FIRST, the second from BASIC_SECOND (two
+# disjoint sets of a few values), so each value can be told apart by what it is as well as
+# by where it stands.
+BASIC_FIRST = (12, 20, 30)
+BASIC_SECOND = (2, 3, 5)
+
+
+def _gets_more(rng: random.Random) -> Problem:
+    name = rng.choice(NAMES)
+    one, many = rng.choice(ITEMS)
+    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    question = f"{name} has {a} {many} and buys {b} more. How many {many} does {name} have now?"
+    return Problem("gets_more", question, f"{a} + {b}", a + b)
+
+
+def _gives_away(rng: random.Random) -> Problem:
+    name = rng.choice(NAMES)
+    one, many = rng.choice(ITEMS)
+    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    question = f"{name} has {a} {many} and gives away {b}. How many {many} does {name} have left?"
+    return Problem("gives_away", question, f"{a} - {b}", a - b)
+
+
+def _boxes_of(rng: random.Random) -> Problem:
+    name = rng.choice(NAMES)
+    one, many = rng.choice(ITEMS)
+    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    question = f"{name} buys {a} boxes of {b} {many}. How many {many} does {name} buy?"
+    return Problem("boxes_of", question, f"{a} * {b}", a * b)
+
+
+BASIC_TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
+    "gets_more": _gets_more,
+    "gives_away": _gives_away,
+    "boxes_of": _boxes_of,
+}
+
 TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
     "shopping_change": _shopping_change,
     "travel_distance": _travel_distance,
@@ -190,21 +231,44 @@ Problem: {question}
 """
 
 
-def sample_problems(n: int, seed: int) -> list[Problem]:
-    """``n`` problems drawn round-robin over the templates (in a seed-shuffled order)."""
+LEVELS = {"word": TEMPLATES, "basic": BASIC_TEMPLATES}
+
+
+def _templates(level: str) -> dict[str, Callable[[random.Random], Problem]]:
+    if level not in LEVELS:
+        raise ValueError(f"level: must be one of {', '.join(LEVELS)}, got {level!r}")
+    return LEVELS[level]
+
+
+def sample_problems(n: int, seed: int, level: str = "word") -> list[Problem]:
+    """``n`` problems of ``level`` drawn round-robin over its templates (in a seed-shuffled order)."""
+    templates = _templates(level)
     rng = random.Random(seed)
-    names = sorted(TEMPLATES)
+    names = sorted(templates)
     rng.shuffle(names)
-    return [TEMPLATES[names[i % len(names)]](rng) for i in range(n)]
+    return [templates[names[i % len(names)]](rng) for i in range(n)]
 
 
-def make_prompt(question: str) -> str:
+# The basic level's prompt: the same protocol in two lines. A very small model learns to
+# find the problem's numbers in a prompt of ~60 tokens far sooner than among the ~370 of
+# the full tool instructions (attention starts spread over every position).
+BASIC_PROMPT_TEMPLATE = """Use the calculator: <tool_call>{{"name": "calculator", "arguments": {{"expression": "..."}}}}</tool_call>
+Then answer with one integer: <answer>...</answer>
+
+Problem: {question}
+"""
+
+
+def make_prompt(question: str, level: str = "word") -> str:
+    if _templates(level) is BASIC_TEMPLATES:
+        return BASIC_PROMPT_TEMPLATE.format(question=question)
     return PROMPT_TEMPLATE.format(instructions=render_instructions(TOOLS), question=question)
 
 
-def generate(n: int, seed: int) -> list[dict]:
-    """``n`` rows ``{"prompt", "label"}``; the same (n, seed) always gives the same rows."""
-    return [{"prompt": make_prompt(p.question), "label": str(p.answer)} for p in sample_problems(n, seed)]
+def generate(n: int, seed: int, level: str = "word") -> list[dict]:
+    """``n`` rows ``{"prompt", "label"}``; the same (n, seed, level) always gives the same rows."""
+    return [{"prompt": make_prompt(p.question, level), "label": str(p.answer)}
+            for p in sample_problems(n, seed, level)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,8 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output JSONL file")
     parser.add_argument("--n", type=int, default=1000, help="number of problems")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--level", choices=sorted(LEVELS), default="word",
+                        help="word: 2-4 operation word problems; basic: one operation on two numbers")
     args = parser.parse_args(argv)
-    rows = generate(args.n, args.seed)
+    rows = generate(args.n, args.seed, args.level)
     out = Path(args.out)
     write_jsonl(out, rows)
     print(f"wrote {len(rows)} problems to {out}")

@@ -1,21 +1,30 @@
-"""The CPU demo: a few GRPO steps through OpenRLHF's real Ray trainer with WAR rollouts.
+"""The CPU demo: GRPO through OpenRLHF's real Ray trainer with WAR rollouts, on a 2-core machine.
 
     python -m war_openrlhf.cli.cpu_demo [--config configs/cpu_demo.yaml] [--out runs/cpu_demo]
+                                        [--seed N] [--no-compare]
 
-1. builds the tiny Llama + BPE tokenizer of :mod:`war_openrlhf.fixtures.tiny_model` locally
-   (cached under ``.cache/``) when the config names a directory that does not exist yet
-   (a real model directory is used as it is);
-2. writes the arithmetic word-problem dataset (``examples/arithmetic_calculator``);
+1. builds the demo's agent policy locally when the config's model directory does not hold
+   it yet (cached): the tiny Llama of :mod:`war_openrlhf.fixtures.tiny_policy`, trained
+   by SFT on scripted calculator episodes of the arithmetic task's ``basic`` level (one
+   operation per problem), so that it calls the tool and answers in the task's format and
+   solves a part of the problems: GRPO has something to improve;
+2. writes the dataset: basic-level problems from another seed than the policy's;
 3. runs ``war-train --config configs/cpu_demo.yaml``: 2 WAR engines, the calculator agent,
    OpenRLHF's GRPO trainer, weight sync to the engines after every step;
-4. turns the TensorBoard logs into ``<out>/summary.png`` and prints a one-screen summary.
+4. rolls the same prompts once through OpenRLHF's own rollout path and once through the
+   WAR pool with the trained policy (``tools/bench_rollout.py``: same engines count and
+   settings, one warm-up each first) and reports the measured ratio;
+5. turns the TensorBoard logs into ``<out>/summary.png`` and prints a one-screen summary.
 
-The output directory is cleared first, so the plot and summary describe this run only.
+A config whose model directory holds some other model (``config.json`` and no policy
+manifest) trains that model as it is. The output directory is cleared first, so the plot
+and summary describe this run only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -27,44 +36,39 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# The demo's policy (tiny_policy.build_tiny_policy arguments): the arithmetic task only, at
+# its basic level, trained long enough to call the calculator in the task's format every
+# time but short of solving every problem (a held-out check in its manifest says how many).
+DEMO_POLICY = {
+    "tasks": ["arithmetic_calculator"],
+    "arithmetic_level": "basic",
+    "steps": 600,
+    "n_eval": 40,
+    "n_samples": 4,
+    "tie_embeddings": True,
+}
+DATASET_SEED = 1  # the policy trains on seed 0's problems
+DATASET_ROWS = 256
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu_demo.yaml"))
-    ap.add_argument("--out", default=str(ROOT / "runs" / "cpu_demo"),
-                    help="run directory (TensorBoard logs, checkpoints, summary plot)")
-    args = ap.parse_args(argv)
-    t0 = time.time()
-    cfg = yaml.safe_load(Path(args.config).read_text())
-    o = cfg["openrlhf"]
-    out = Path(args.out).absolute()
 
-    model_dir = Path(o["actor.model_name_or_path"])
-    model_dir = model_dir if model_dir.is_absolute() else ROOT / model_dir
-    print(f"[1/4] model: {model_dir}", flush=True)
-    if not (model_dir / "config.json").is_file() or (model_dir / "war_tiny_model.json").is_file():
-        from ..fixtures.tiny_model import build_tiny_model
+def _absolute(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else ROOT / p
 
-        build_tiny_model(model_dir)
 
-    data = Path(o["data.prompt_dataset"])
-    data = data if data.is_absolute() else ROOT / data
-    print(f"[2/4] dataset: {data}", flush=True)
-    data.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, str(ROOT / "examples" / "arithmetic_calculator" / "dataset.py"),
-                    "--out", str(data), "--n", "256", "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
+def prepare_model(model_dir: Path) -> str:
+    """Build the demo policy at ``model_dir`` unless it holds another model; says which."""
+    from ..fixtures.tiny_policy import build_tiny_policy, read_manifest
 
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    o.update({"actor.model_name_or_path": str(model_dir), "data.prompt_dataset": str(data),
-              "logger.tensorboard_dir": str(out / "tensorboard"), "ckpt.path": str(out / "ckpt"),
-              "ckpt.output_dir": str(out / "model"), "logger.wandb.run_name": "cpu_demo"})
-    agent = Path(o["train.agent_func_path"])
-    o["train.agent_func_path"] = str(agent if agent.is_absolute() else ROOT / agent)
-    run_cfg = out / "config.yaml"
-    run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    print(f"[3/4] training: war-train --config {run_cfg}  (log: {out / 'train.log'})", flush=True)
+    if (model_dir / "config.json").is_file() and read_manifest(model_dir) is None:
+        return "a model directory (used as it is)"
+    build_tiny_policy(model_dir, **DEMO_POLICY)
+    held = (read_manifest(model_dir) or {}).get("results", {}).get("held_out", {}).get("arithmetic_calculator", {})
+    return (f"the demo policy (held-out greedy reward {held.get('episode_mean_reward', 'n/a')}, "
+            f"sampled reward {held.get('sampled_episode_mean_reward', 'n/a')})")
+
+
+def _train(run_cfg: Path, out: Path, t0: float) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     with open(out / "train.log", "w") as log:
@@ -82,14 +86,96 @@ def main(argv: list[str] | None = None) -> None:
         tail = (out / "train.log").read_text(errors="replace")[-3000:]
         raise SystemExit(f"war-train failed (exit {proc.returncode}); last lines of {out / 'train.log'}:\n{tail}")
 
+
+def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_per_engine: int,
+                     n_samples: int, max_len: int) -> dict | None:
+    """One synchronous rollout step on the same prompts through OpenRLHF's path and the WAR
+    pool (``tools/bench_rollout.py``, after a warm-up each); its JSON, or None if it failed."""
+    js = out / "side_by_side.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--workload", "task:arithmetic_calculator",
+           "--prompts", str(data), "--model", str(model), "--configs", "openrlhf,war", "--repeats", "1",
+           "--same-engines",
+           "--engines", str(engines), "--load", "high", "--high-prompts", str(prompts_per_engine),
+           "--n-samples", str(n_samples), "--max-len", str(max_len), "--json", str(js)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    with open(out / "side_by_side.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not js.is_file():
+        print(f"      side-by-side failed (exit {proc.returncode}); see {out / 'side_by_side.log'}", flush=True)
+        return None
+    return json.loads(js.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu_demo.yaml"))
+    ap.add_argument("--out", default=str(ROOT / "runs" / "cpu_demo"),
+                    help="run directory (TensorBoard logs, checkpoints, summary plot)")
+    ap.add_argument("--seed", type=int, default=None, help="training seed (default: the config's train.seed)")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="skip the side-by-side rollout step (OpenRLHF's path vs the WAR pool)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    o = cfg["openrlhf"]
+    out = Path(args.out).absolute()
+
+    model_dir = _absolute(o["actor.model_name_or_path"])
+    print(f"[1/5] policy: {model_dir}", flush=True)
+    what = prepare_model(model_dir)
+    print(f"      {what} ({time.time() - t0:.0f} s)", flush=True)
+
+    data = _absolute(o["data.prompt_dataset"])
+    print(f"[2/5] dataset: {data}", flush=True)
+    data.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, str(ROOT / "examples" / "arithmetic_calculator" / "dataset.py"),
+                    "--out", str(data), "--n", str(DATASET_ROWS), "--seed", str(DATASET_SEED), "--level", "basic"],
+                   check=True, stdout=subprocess.DEVNULL)
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    o.update({"actor.model_name_or_path": str(model_dir), "data.prompt_dataset": str(data),
+              "logger.tensorboard_dir": str(out / "tensorboard"), "ckpt.path": str(out / "ckpt"),
+              "ckpt.output_dir": str(out / "model"), "logger.wandb.run_name": "cpu_demo"})
+    if args.seed is not None:
+        o["train.seed"] = args.seed
+    o["train.agent_func_path"] = str(_absolute(o["train.agent_func_path"]))
+    run_cfg = out / "config.yaml"
+    run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    print(f"[3/5] training: war-train --config {run_cfg}  (log: {out / 'train.log'})", flush=True)
+    _train(run_cfg, out, t0)
+
+    comparison = None
+    if not args.no_compare:
+        print("[4/5] side by side: one rollout step, OpenRLHF's path vs the WAR pool, trained policy, "
+              f"same prompts (log: {out / 'side_by_side.log'})", flush=True)
+        n = int(o["rollout.n_samples_per_prompt"])
+        result = compare_rollouts(out / "model", data, out, int(o["vllm.num_engines"]),
+                                  max(1, int(o["rollout.batch_size"]) // int(o["vllm.num_engines"])), n,
+                                  int(o["data.max_len"]))
+        if result:
+            configs = {c: result["configs"][c] for c in ("openrlhf", "war") if c in result["configs"]}
+            r = result.get("regime", {})
+            comparison = {"configs": configs,
+                          "regime": (f"{r.get('load', '?')} load ({r.get('episodes_per_engine', 0):g} episodes/engine), "
+                                     "no KV pressure, calculator tool (~0 s); 1 step each after a warm-up")}
+    else:
+        print("[4/5] side by side: skipped (--no-compare)", flush=True)
+
     from ..metrics.run_summary import load_scalars, plot, summary_lines
 
-    print("[4/4] summary", flush=True)
+    print("[5/5] summary", flush=True)
     scalars = load_scalars(out / "tensorboard")
     png = out / "summary.png"
-    plot(scalars, png)
+    plot(scalars, png, comparison)
     print()
     print("\n".join(summary_lines(scalars)))
+    if comparison and "openrlhf" in comparison["configs"] and "war" in comparison["configs"]:
+        base, war = comparison["configs"]["openrlhf"], comparison["configs"]["war"]
+        print(f"rollout step, same prompts:  openrlhf {base['step_s']:.2f} s, war {war['step_s']:.2f} s "
+              f"-> {base['step_s'] / war['step_s']:.2f}x  (one step each on a shared 2-core CPU: noisy, "
+              "10-25% run to run; docs/benchmarks.md has repeated measurements)")
     print(f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
     print(f"Summary plot:     {png}")
     print(f"Trained policy:   {out / 'model'}")

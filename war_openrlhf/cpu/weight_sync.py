@@ -110,7 +110,8 @@ class CpuWorkerWrap:
         if dtype != self.model_config.dtype:
             raise ValueError(
                 f"CpuWorkerWrap.update_weight: '{name}' arrives as {dtype} but the engine runs {self.model_config.dtype}; "
-                "make the trainer's --ds.param_dtype match the engine dtype"
+                "on CPU the trainer runs float32 (war_openrlhf.cpu: whatever --ds.param_dtype says), so set "
+                "war.engine.dtype: float32; on GPU make --ds.param_dtype match the engine dtype"
             )
         weight = torch.empty(shape, dtype=dtype, device="cpu")
         if self._model_update_with_ray:

@@ -165,8 +165,12 @@ def _war_samples_generator(trainer: Any, strategy: Any, vllm_engines: Sequence, 
     from ..training.samples_generator import WarSamplesGenerator
 
     old = trainer.samples_generator
-    return WarSamplesGenerator(strategy, old.prompts_dataloader, old.eval_dataloader, old.tokenizer,
-                               vllm_engines, merge_openrlhf_args(config, strategy.args))
+    gen = WarSamplesGenerator(strategy, old.prompts_dataloader, old.eval_dataloader, old.tokenizer,
+                              vllm_engines, merge_openrlhf_args(config, strategy.args))
+    seconds = gen.warm_up()  # before any step is timed (RolloutConfig.warm_up)
+    if seconds is not None:
+        print(f"war-train: rollout pool warmed up in {seconds:.1f} s (one untimed episode per engine)", flush=True)
+    return gen
 
 
 def _sync_trainer_cls(config: RolloutConfig):

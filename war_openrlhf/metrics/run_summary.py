@@ -15,8 +15,9 @@ PANELS = [
     ("reward", ["train/reward", "train/score", "war/reward_mean"]),
     ("rollout tokens/s", ["war/rollout_tokens_per_s"]),
     ("speculation", ["war/speculating_fraction", "war/spec_acceptance_rate", "war/tokens_per_verification_step"]),
+    ("draft acceptance per engine", "war/engine*_spec_acceptance_rate"),
     ("prefix-cache hit rate", ["war/prefix_hit_rate_engine", "war/prefix_hit_rate_dispatcher_first_turn"]),
-    ("turns per engine", None),  # war/engine*_turns
+    ("turns per engine", "war/engine*_turns"),
     ("step time split (s)", ["train/timing/generation", "train/timing/make_experience", "train/timing/ppo_train",
                              "train/timing/broadcast"]),
     ("episode length", ["war/episode_turns_mean", "war/episode_tokens_mean"]),
@@ -62,13 +63,21 @@ def summary_lines(scalars) -> list[str]:
 
     steps = max((len(v) for k, v in scalars.items() if k.startswith("train/")), default=0)
     rewards = [v for _, v in _get(scalars, "train/reward", "war/reward_mean")]
+    first2, last2 = reward_ends(scalars)
+    per_engine = [
+        f"  engine {i}: acceptance {fmt(mean(f'war/engine{i}_spec_acceptance_rate'))}, "
+        f"tokens / verification step {fmt(mean(f'war/engine{i}_tokens_per_verification_step'), '.2f')}"
+        for i in range(len(_matching(scalars, "war/engine*_spec_acceptance_rate")))
+    ]
     return [
         f"steps:                      {steps}",
         f"reward first -> last:       {fmt(rewards[0] if rewards else None)} -> {fmt(rewards[-1] if rewards else None)}",
+        f"reward first 2 -> last 2:   {fmt(first2)} -> {fmt(last2)}",
         f"rollout tokens/s (mean):    {fmt(mean('war/rollout_tokens_per_s'), ',.0f')}",
         f"speculating fraction:       {fmt(mean('war/speculating_fraction'))}",
         f"draft acceptance rate:      {fmt(mean('war/spec_acceptance_rate'))}",
         f"tokens / verification step: {fmt(mean('war/tokens_per_verification_step'), '.2f')}",
+        *per_engine,
         f"prefix hit rate (engines):  {fmt(mean('war/prefix_hit_rate_engine'))}",
         f"episode turns (mean):       {fmt(mean('war/episode_turns_mean'), '.2f')}",
         f"generation s / step:        {fmt(mean('train/timing/generation'), '.1f')}",
@@ -77,16 +86,49 @@ def summary_lines(scalars) -> list[str]:
     ]
 
 
-def plot(scalars, out: Path) -> None:
+def _matching(scalars, pattern: str) -> list[str]:
+    """Tags ``prefix*suffix`` in engine order (engine2 before engine10)."""
+    prefix, suffix = pattern.split("*")
+    found = [t for t in scalars if t.startswith(prefix) and t.endswith(suffix)
+             and t[len(prefix):len(t) - len(suffix)].isdigit()]
+    return sorted(found, key=lambda t: int(t[len(prefix):len(t) - len(suffix)]))
+
+
+def reward_ends(scalars) -> tuple[float | None, float | None]:
+    """Mean reward of the first two and of the last two steps (the demo's learning check)."""
+    rewards = [v for _, v in _get(scalars, "train/reward", "war/reward_mean")]
+    if len(rewards) < 2:
+        return None, None
+    return sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
+
+
+def _comparison_panel(ax, comparison: dict) -> None:
+    """Bars of one measured rollout step per configuration (``bench_rollout`` JSON summary)."""
+    names = list(comparison["configs"])
+    steps = [comparison["configs"][n]["step_s"] for n in names]
+    bars = ax.bar(names, steps, color=["#999999" if n == "openrlhf" else "#1f77b4" for n in names])
+    for b, n in zip(bars, names):
+        x = comparison["configs"][n].get("x_openrlhf")
+        ax.annotate(f"{b.get_height():.2f} s" + (f"\n{x:.2f}x" if x else ""), (b.get_x() + b.get_width() / 2,
+                    b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_title("one rollout step, same prompts (s)")
+    ax.set_ylabel("seconds")
+    ax.margins(y=0.25)
+    ax.text(0.5, -0.2, comparison.get("regime", ""), ha="center", va="top", transform=ax.transAxes, fontsize=7)
+
+
+def plot(scalars, out: Path, comparison: dict | None = None) -> None:
+    """The panels of :data:`PANELS`, ``comparison`` (a side-by-side rollout step) when given,
+    and the text summary."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    fig, axes = plt.subplots(2, 5, figsize=(22, 8.5))
     for ax, (title, tags) in zip(axes.flat, PANELS):
-        if tags is None:
-            tags = sorted(t for t in scalars if t.startswith("war/engine") and t.endswith("_turns"))
+        if isinstance(tags, str):
+            tags = _matching(scalars, tags)
         drawn = False
         for t in tags:
             s = scalars.get(t)
@@ -100,6 +142,11 @@ def plot(scalars, out: Path) -> None:
             ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax = axes.flat[len(PANELS)]
+    if comparison:
+        _comparison_panel(ax, comparison)
+    else:
+        ax.axis("off")
     ax = axes.flat[-1]
     ax.axis("off")
     ax.text(0.0, 1.0, "\n".join(summary_lines(scalars)), va="top", family="monospace", fontsize=8)

@@ -40,6 +40,7 @@ class RolloutConfig:
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
     progress: bool = True
+    warm_up: bool = True
     dump_dir: str = ""
     prompt_overflow: str = "truncate"
 

@@ -50,10 +50,15 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
         m["war/prefix_hit_rate_dispatcher_first_turn"] = sum(est) / max(sum(prompt), 1)
     tot = {k: 0.0 for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "generation_tokens",
                             "steps")}
-    for b, a in zip(before, after):
+    for i, (b, a) in enumerate(zip(before, after)):
         diff = a.minus(b)
         for k in tot:
             tot[k] += diff[k]
+        # per engine: the switch decides per engine, so a user sees where drafts pay
+        m[f"war/engine{i}_spec_acceptance_rate"] = (diff["spec_accepted_tokens"] / diff["spec_draft_tokens"]
+                                                    if diff["spec_draft_tokens"] else 0.0)
+        m[f"war/engine{i}_tokens_per_verification_step"] = (1.0 + diff["spec_accepted_tokens"] / diff["spec_drafts"]
+                                                            if diff["spec_drafts"] else 1.0)
     m["war/tokens_per_engine_step"] = tot["generation_tokens"] / tot["steps"] if tot["steps"] else 0.0
     m["war/spec_acceptance_rate"] = (tot["spec_accepted_tokens"] / tot["spec_draft_tokens"]
                                      if tot["spec_draft_tokens"] else 0.0)
@@ -122,6 +127,21 @@ class WarSamplesGenerator:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=os.path.join(tb, self.args.logger.wandb.run_name, "war"))
+
+    def warm_up(self) -> float | None:
+        """The pool's warm-up on the first training prompt (``RolloutConfig.warm_up``), before
+        the first step is timed; its seconds (TensorBoard ``war/warm_up_s``), or None if off."""
+        if not self.pool.config.warm_up or self.prompts_dataloader is None:
+            return None
+        dataset = self.prompts_dataloader.dataset
+        if len(dataset) == 0:
+            return None
+        _source, prompt, label, _image = dataset[0]
+        seconds = run_coroutine(self.pool.warm_up_async(prompt, label))
+        if self._writer is not None:
+            self._writer.add_scalar("war/warm_up_s", seconds, 0)
+            self._writer.flush()
+        return seconds
 
     def _log(self) -> None:
         self._batches += 1

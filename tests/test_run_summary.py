@@ -1,0 +1,43 @@
+"""The run summary (the CPU demo's plot and text): tags in engine order, the learning check,
+the side-by-side panel."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from war_openrlhf.metrics.run_summary import _matching, plot, reward_ends, summary_lines  # noqa: E402
+
+
+def _scalars(rewards, engines=12):
+    s = {"train/reward": list(enumerate(rewards, 1)), "train/timing/generation": [(1, 2.0), (2, 1.0)]}
+    for i in range(engines):
+        s[f"war/engine{i}_spec_acceptance_rate"] = [(1, 0.1 * (i % 10)), (2, 0.1 * (i % 10))]
+        s[f"war/engine{i}_tokens_per_verification_step"] = [(1, 1.0 + i), (2, 1.0 + i)]
+    s["war/engine_total_spec_acceptance_rate"] = [(1, 9.0)]  # not an engine index: not matched
+    return s
+
+
+def test_engine_tags_come_in_numeric_order_and_only_with_an_index():
+    tags = _matching(_scalars([0.1, 0.2]), "war/engine*_spec_acceptance_rate")
+    assert tags == [f"war/engine{i}_spec_acceptance_rate" for i in range(12)]
+
+
+def test_reward_ends_average_the_first_and_last_two_steps():
+    assert reward_ends(_scalars([0.1, 0.3, 0.5, 0.4, 0.8])) == pytest.approx((0.2, 0.6))
+    assert reward_ends(_scalars([0.5])) == (None, None)
+    lines = summary_lines(_scalars([0.1, 0.3, 0.5, 0.4, 0.8], engines=2))
+    assert any("first 2 -> last 2:   0.200 -> 0.600" in line for line in lines)
+    assert any(line.strip().startswith("engine 1: acceptance 0.100, tokens / verification step 2.00")
+               for line in lines)
+
+
+def test_plot_draws_the_side_by_side_panel(tmp_path):
+    comparison = {"configs": {"openrlhf": {"step_s": 2.0, "x_openrlhf": 1.0},
+                              "war": {"step_s": 1.0, "x_openrlhf": 2.0}}, "regime": "low load"}
+    with_panel, without = tmp_path / "a.png", tmp_path / "b.png"
+    plot(_scalars([0.1, 0.2], engines=2), with_panel, comparison)
+    plot(_scalars([0.1, 0.2], engines=2), without)
+    assert with_panel.stat().st_size > 10_000 and without.stat().st_size > 10_000
+    assert with_panel.read_bytes() != without.read_bytes()
