@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: install what is missing, then the CPU demo -- a small real GRPO run through
-# OpenRLHF's Ray trainer with WAR rollouts (2 engines, the calculator tool-use task, a few
-# steps), ending with where the TensorBoard logs and the summary plot are and a one-screen
-# summary. Extra arguments go to the demo (--config FILE, --out DIR).
+# The main job: install what is missing, then the CPU demo -- the tiny agent policy built
+# locally, 36 GRPO steps through OpenRLHF's Ray trainer with WAR rollouts (2 engines, the
+# calculator tool-use task), one rollout step side by side against OpenRLHF's own rollout
+# path, then where the TensorBoard logs and the summary plot are and a one-screen summary.
+# Extra arguments go to the demo (--config FILE, --out DIR, --seed N, --no-compare).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/install.sh"

@@ -237,7 +237,7 @@ def test_arithmetic_basic_level_is_one_operation_in_story_order_with_a_short_pro
         assert row["label"] == str(problem.answer) and problem.question in row["prompt"]
         assert calc.safe_eval(problem.expression) == problem.answer == eval(problem.expression) >= 0
         a, op, b = problem.expression.split()
-        assert op in "+-*" and int(a) in ar_ds.BASIC_FIRST and int(b) in ar_ds.BASIC_SECOND
+        assert op in "+-*" and (int(a), int(b)) == ar_ds.BASIC_NUMBERS[problem.template]
         assert re.findall(r"\d+", problem.question) == [a, b]  # the numbers as the story states them
         assert "<tool_call>" in row["prompt"] and len(row["prompt"]) < len(ar_ds.make_prompt(problem.question)) / 3
     assert ar_ds.generate(5, seed=3) != ar_ds.generate(5, seed=3, level="basic")

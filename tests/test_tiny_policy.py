@@ -255,6 +255,31 @@ def test_basic_level_transcripts_use_the_short_prompt_and_solve_it(tokenizer):
         assert int(answer.group(1)) == {"+": a + b, "-": a - b, "*": a * b}[op]
 
 
+def test_a_slipping_teacher_uses_the_wrong_operation_and_earns_nothing(tokenizer):
+    """slip_rate: that fraction of basic transcripts computes with the wrong operation and
+    answers its result (reward 0); the rest are the right episodes, unchanged."""
+    clean = scripted_transcripts(tokenizer, "arithmetic_calculator", 40, level="basic", n_eval=2)
+    slipped = scripted_transcripts(tokenizer, "arithmetic_calculator", 40, level="basic", n_eval=2, slip_rate=0.5)
+    wrong = [s for s in slipped if s.reward == 0.0]
+    assert 8 <= len(wrong) <= 32 and all(s.reward in (0.0, 1.0) for s in slipped)
+    for c, s in zip(clean, slipped):
+        assert c.prompt == s.prompt
+        if s.reward == 1.0:
+            assert s.actions == c.actions
+        else:
+            expr = lambda t: re.search(r'"expression": "(\d+ [-+*] \d+)"', t.actions[-2]).group(1)
+            (a, op, b), (a2, op2, b2) = expr(c).split(), expr(s).split()
+            assert (a, b) == (a2, b2) and op2 == {"+": "-", "-": "+", "*": "+"}[op]
+            assert s.actions[-1] == f"<answer>{eval(expr(s))}</answer>" != c.actions[-1]
+    assert tiny_policy.tiny_policy_spec(tasks=["arithmetic_calculator"], arithmetic_level="basic",
+                                        slip_rate=0.5)["data"]["slip_rate"] == 0.5
+    assert "slip_rate" not in tiny_policy.tiny_policy_spec()["data"]  # default specs unchanged
+    with pytest.raises(ValueError, match="slip_rate: applies to the basic arithmetic level"):
+        tiny_policy.tiny_policy_spec(slip_rate=0.5)
+    with pytest.raises(ValueError, match="slip_rate: must be in"):
+        tiny_policy.tiny_policy_spec(tasks=["arithmetic_calculator"], arithmetic_level="basic", slip_rate=1.0)
+
+
 def test_spec_records_what_changes_the_transcripts():
     spec = tiny_policy.tiny_policy_spec()
     assert spec["data"]["examples_digest"] == tiny_policy.examples_digest()

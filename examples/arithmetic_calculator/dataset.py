@@ -171,33 +171,35 @@ def _doubling(rng: random.Random) -> Problem:
     return Problem("doubling", question, f"{start} * 2 ** {hours} - {removed}", start * 2**hours - removed)
 
 
-# The basic level's numbers: the first from BASIC_FIRST, the second from BASIC_SECOND (two
-# disjoint sets of a few values), so each value can be told apart by what it is as well as
-# by where it stands.
-BASIC_FIRST = (12, 20, 30)
-BASIC_SECOND = (2, 3, 5)
+# The basic level: one operation on two numbers, each template with its own two numbers
+# (the person and the item vary). A ~1M-parameter model picks the operation from the
+# template's words within its build budget, but not a number from where it stands in the
+# prompt, nor from a word that fixes it (measured: held-out greedy reward at chance level,
+# 0.10-0.28, after 600-1500 SFT steps with 2-3 values per number, in story positions, at a
+# fixed distance from the prompt's end, or fixed by the item and the name).
+BASIC_NUMBERS = {"gets_more": (12, 3), "gives_away": (20, 5), "boxes_of": (6, 4)}
+
+
+def _basic_numbers(rng: random.Random, template: str) -> tuple[str, str, int, int]:
+    name = rng.choice(NAMES)
+    one, many = rng.choice(ITEMS)
+    return (name, many, *BASIC_NUMBERS[template])
 
 
 def _gets_more(rng: random.Random) -> Problem:
-    name = rng.choice(NAMES)
-    one, many = rng.choice(ITEMS)
-    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    name, many, a, b = _basic_numbers(rng, "gets_more")
     question = f"{name} has {a} {many} and buys {b} more. How many {many} does {name} have now?"
     return Problem("gets_more", question, f"{a} + {b}", a + b)
 
 
 def _gives_away(rng: random.Random) -> Problem:
-    name = rng.choice(NAMES)
-    one, many = rng.choice(ITEMS)
-    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    name, many, a, b = _basic_numbers(rng, "gives_away")
     question = f"{name} has {a} {many} and gives away {b}. How many {many} does {name} have left?"
     return Problem("gives_away", question, f"{a} - {b}", a - b)
 
 
 def _boxes_of(rng: random.Random) -> Problem:
-    name = rng.choice(NAMES)
-    one, many = rng.choice(ITEMS)
-    a, b = rng.choice(BASIC_FIRST), rng.choice(BASIC_SECOND)
+    name, many, a, b = _basic_numbers(rng, "boxes_of")
     question = f"{name} buys {a} boxes of {b} {many}. How many {many} does {name} buy?"
     return Problem("boxes_of", question, f"{a} * {b}", a * b)
 
