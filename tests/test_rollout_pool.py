@@ -295,6 +295,29 @@ def test_a_pool_refuses_objects_that_are_not_engines(pool):
                     agent_cls=pool.agent_cls)
 
 
+def test_async_weight_sync_advances_the_version_from_the_engines(pool):
+    """The one weight-sync hook of both trainers: the engines count the version and drop their
+    prefix caches; a pool in another process (the async trainer's rollout actor) learns the
+    version from the turns alone, tags every turn and index record with it, and resets its
+    model of the engines' caches."""
+    from war_openrlhf.training.weight_sync_hook import after_weight_sync
+
+    other = _sibling(pool)  # stands for the rollout actor's pool: nobody calls it at sync time
+    before = other.policy_version
+    first = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
+    v0 = {r.policy_versions for t in first.trajectories for r in t.turns}
+    version = after_weight_sync([e.handle for e in pool.engines])
+    assert version >= 1 and v0 == {(version - 1, version - 1)}
+    res = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
+    assert {r.policy_versions for t in res.trajectories for r in t.turns} == {(version, version)}
+    assert other.policy_version == version > before and other.log.policy_version == version
+    records = [e.record for e in other.log.read(other.log.first_seq - 1) if e.record is not None]
+    turns = sum(len(t.turns) for t in res.trajectories)
+    assert len(records) >= turns and {r.policy_version for r in records[-turns:]} == {version}
+    dumped = res.trajectories[0].to_dict()["turns"][0]["policy_versions"]
+    assert tuple(dumped) == (version, version)
+
+
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):
     """Runs last: it kills engine 1 of the shared pool."""
     import ray

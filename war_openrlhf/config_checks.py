@@ -84,6 +84,7 @@ def dataclass_from_dict(
     nested = nested or {}
     known = {f.name for f in fields(cls)}
     optional = {f.name for f in fields(cls) if "None" in str(f.type)}  # annotated "X | None"
+    optional_str = {f.name for f in fields(cls) if str(f.type).replace(" ", "") in ("str|None", "Optional[str]")}
     defaults = cls()
     values = dict(data)
     for key, value in values.items():
@@ -93,6 +94,9 @@ def dataclass_from_dict(
             values[key] = nested[key](value if value is not None else {}, f"{source}: {key}")
         elif value is None and key in optional:
             continue
+        elif key in optional_str:
+            if not isinstance(value, str):
+                raise ValueError(f"{source}: key '{key}' must be str or null, got {value!r}")
         elif not _type_ok(value, getattr(defaults, key)):
             raise ValueError(f"{source}: key '{key}' must be {_type_name(getattr(defaults, key))}, got {value!r}")
     try:

@@ -8,7 +8,8 @@ Every ``train_ppo_ray`` argument means what it means there (``--actor.model_name
 ``--war.*`` options set :class:`~war_openrlhf.rollout.RolloutConfig` keys
 (``--war.dispatch_policy war``, ``--war.engine.speculation auto``, ``--war.on_tool_error end``);
 ``--war.config`` reads them from a YAML file (its top-level keys, or its ``war:`` section).
-``--config FILE`` reads a YAML with an ``openrlhf:`` section (train_ppo_ray arguments: a key per
+``--ray-address HOST:PORT`` (or ``RAY_ADDRESS``) joins a running Ray cluster instead of
+starting one. ``--config FILE`` reads a YAML with an ``openrlhf:`` section (train_ppo_ray arguments: a key per
 argument, ``true`` for a flag) and a ``war:`` section. An unknown key or a wrong type names the
 key and the file.
 
@@ -18,8 +19,9 @@ the trainer class is OpenRLHF's own ``PPOTrainer`` / ``PPOTrainerAsync`` with th
 its samples generator. The WAR settings go to the trainer as a validated
 :class:`~war_openrlhf.rollout.RolloutConfig` object. Settings that OpenRLHF's arguments define
 (model, lengths, seed, engine count, agent file, samples per prompt, temperature, top-p) are
-refused in the WAR settings. On a machine without CUDA, the CPU support
-(:mod:`war_openrlhf.cpu`) is applied in this process and in every Ray worker.
+refused in the WAR settings. In a CPU run (the cluster has no CUDA GPU, decided once by this
+driver), the CPU support (:mod:`war_openrlhf.cpu`) is applied in this process and in every Ray
+worker; in a GPU run never.
 """
 
 from __future__ import annotations
@@ -139,11 +141,7 @@ def rollout_config(war: dict) -> RolloutConfig:
     return RolloutConfig.from_dict({"max_new_tokens_per_turn": None, **war}, source="WAR settings")
 
 
-def _ray_init() -> None:
-    import ray
-
-    from ..device import cuda_available
-
+def _ray_env() -> dict[str, str]:
     env = {
         "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "true"),
         "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
@@ -153,10 +151,41 @@ def _ray_init() -> None:
               "TOOL_FEEDBACK_FORMAT", "SQL_QA_DB"):  # the example agents read the last two
         if k in os.environ:
             env[k] = os.environ[k]
-    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
-    if not cuda_available():
-        from .. import cpu
+    return env
 
+
+def _ray_init(address: str | None = None) -> str:
+    """Start Ray here, or join the cluster at ``address``; returns the run's device.
+
+    The device (``cuda`` or ``cpu``) is the cluster's, decided once here
+    (:func:`~war_openrlhf.device.detect_cluster_device`) and handed to every Ray worker as
+    ``WAR_CLUSTER_DEVICE``, so that no actor decides from its own view (an actor without a GPU
+    in a GPU run sees no CUDA). Joining a cluster passes no ``num_cpus`` / ``num_gpus`` (Ray
+    refuses them there); a CPU cluster must then declare logical GPUs itself
+    (``ray start --num-gpus N``) for OpenRLHF's GPU actors to schedule. Starting Ray here on a
+    machine without CUDA declares them (:func:`war_openrlhf.cpu.ray_init_kwargs`).
+    """
+    import ray
+
+    from .. import cpu
+    from ..device import CLUSTER_DEVICE_ENV, cuda_available, detect_cluster_device
+
+    env = _ray_env()
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        device = detect_cluster_device()
+        ray.shutdown()  # again, with every worker told the device
+        env[CLUSTER_DEVICE_ENV] = device
+        runtime_env: dict[str, Any] = {"env_vars": env}
+        if device == "cpu":
+            cpu.apply_cpu_support()
+            runtime_env = cpu.ray_init_kwargs(num_gpus=1, runtime_env=runtime_env)["runtime_env"]
+        ray.init(address=address, runtime_env=runtime_env)
+        return device
+    device = "cuda" if cuda_available() else "cpu"
+    env[CLUSTER_DEVICE_ENV] = device
+    kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
+    if device == "cpu":
         cpu.apply_cpu_support()
         kwargs = cpu.ray_init_kwargs(runtime_env=kwargs["runtime_env"])
         # Logical CPUs: every OpenRLHF actor that asks for a (logical) GPU also holds a CPU,
@@ -164,6 +193,25 @@ def _ray_init() -> None:
         kwargs["num_cpus"] = max(8, 2 * (os.cpu_count() or 1))
     if not ray.is_initialized():
         ray.init(**kwargs)
+    return device
+
+
+def _ray_address(argv: list[str]) -> tuple[str | None, list[str]]:
+    """``--ray-address ADDR`` (or ``RAY_ADDRESS``) taken out of ``argv``."""
+    rest, address, i = [], os.environ.get("RAY_ADDRESS") or None, 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--ray-address":
+            if i + 1 >= len(argv):
+                raise ValueError("--ray-address: needs the cluster's address (host:port, as `ray start` printed)")
+            address, i = argv[i + 1], i + 2
+            continue
+        if tok.startswith("--ray-address="):
+            address, i = tok.split("=", 1)[1], i + 1
+            continue
+        rest.append(tok)
+        i += 1
+    return address, rest
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -174,11 +222,14 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2)
         return
     try:
+        address, argv = _ray_address(argv)
         war, openrlhf_args = parse_argv(argv)
         config = rollout_config(war)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"war-train: {exc}") from None
-    _ray_init()
+    device = _ray_init(address)
+    print(f"war-train: Ray {'cluster at ' + address if address else 'started here'}, device {device} "
+          "(decided once for every actor)", flush=True)
 
     from ..integrations.openrlhf import run_train_ppo_ray
 

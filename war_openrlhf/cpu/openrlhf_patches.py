@@ -20,6 +20,7 @@ what was patched, one line each.
 from __future__ import annotations
 
 import functools
+import os
 import importlib.abc
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..device import cuda_available
+from ..device import CLUSTER_DEVICE_ENV, cuda_available
 from .flash_attn_shim import install_flash_attn_shim
 from .torch_on_cpu import _TORCH_ON_CPU, _cpu_if_cuda
 from .weight_sync import CPU_WORKER_EXTENSION, _barrier_without_cuda_sync, _stateless_init_process_group_gloo
@@ -350,14 +351,15 @@ class _PostImportPatcher(importlib.abc.MetaPathFinder):
 def apply_cpu_support() -> bool:
     """Apply the CPU workarounds for OpenRLHF 0.11.2 in this process.
 
-    Returns ``False`` and changes nothing when CUDA is available; otherwise installs
+    Returns ``False`` and changes nothing when CUDA is available or the run is a GPU run
+    (:data:`~war_openrlhf.device.CLUSTER_DEVICE_ENV` is ``cuda``); otherwise installs
     the flash-attn stand-in and the module patches (now for loaded OpenRLHF modules,
     at import for the others) and returns ``True``. Idempotent and thread-safe; it is
     also Ray's ``worker_process_setup_hook`` (see
     :func:`war_openrlhf.cpu.ray_setup.ray_init_kwargs`).
     """
-    if cuda_available():
-        return False
+    if cuda_available() or os.environ.get(CLUSTER_DEVICE_ENV, "").strip().lower() == "cuda":
+        return False  # a GPU run's actors that hold no GPU stay unpatched too
     with _LOCK:
         if _STATE["applied"]:
             return True

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..device import cuda_available
+from ..device import cluster_device
 from .config import EngineConfig, check_startup
 from .engine import WarEngine
-from .launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options
+from .launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options, gpu_engine_placement
 
 
 def create_war_engines(
@@ -20,19 +20,27 @@ def create_war_engines(
     agent_func_path: str | None = None,
     env: dict[str, str] | None = None,
     placement_group: bool = False,
+    shared_pg: Any = None,
+    cuda: bool | None = None,
 ) -> list[Any]:
     """Start ``num_engines`` engine actors and wait until they serve.
 
     On CPU each engine gets its own core (``cpu_core`` = its index, bound through
     ``VLLM_CPU_OMP_THREADS_BIND``) and a different seed; asking for more engines than
     cores is an error that says so. ``placement_group``: reserve one bundle per engine
-    ({"CPU": 1} on CPU, {"GPU": 1, "CPU": 1} on CUDA) in one PACK placement group first, as
-    OpenRLHF does for its vLLM engines, so a pool either gets all its engines or none.
+    ({"CPU": 1} on CPU; on CUDA ``tensor_parallel_size`` bundles of {"GPU": 1, "CPU": 1})
+    in one PACK placement group first, as OpenRLHF does for its vLLM engines, so a pool
+    either gets all its engines or none. ``shared_pg``: OpenRLHF's colocated placement
+    group (``--train.colocate_all`` and friends): the engines go on its bundles with a
+    fraction of a GPU each, as OpenRLHF's own engines do, and no group is reserved.
+    ``cuda``: the cluster's device (default: :func:`~war_openrlhf.device.cluster_device`).
     """
     import ray
 
     check_num_engines(num_engines)
-    cuda = cuda_available()
+    if cuda is None:
+        cuda = cluster_device() == "cuda"
+    tp = config.tensor_parallel_size
     cores = cpu_engine_cores(num_engines) if not cuda and config.cpu_core is None else None
     configs = []
     taken: set[int] = set()
@@ -44,30 +52,51 @@ def create_war_engines(
         if not cuda and cfg.cpu_core is not None:
             taken.add(cfg.cpu_core)
         configs.append(cfg)
-    pg = None
-    if placement_group:
+    pg = shared_pg
+    if pg is None and placement_group:
         from ray.util.placement_group import placement_group as make_pg
 
-        bundles = [{"GPU": 1, "CPU": 1} if cuda else {"CPU": 1} for _ in configs]
+        bundles = [{"GPU": 1, "CPU": 1} for _ in range(num_engines * tp)] if cuda else [{"CPU": 1} for _ in configs]
         pg = make_pg(bundles, strategy="PACK")
         ray.get(pg.ready(), timeout=600)
     handles = []
     for i, cfg in enumerate(configs):
-        env_vars = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(env or {})}
-        if not cuda:  # a core bind given in env wins here
-            for name, value in cpu_engine_env(cfg.cpu_core).items():
-                env_vars.setdefault(name, value)
-        options = engine_actor_options(cuda=cuda, env_vars=env_vars)
-        options["max_concurrency"] = 1000
-        if pg is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=i)
-        elif cuda:
-            options["num_cpus"] = 0
+        options = engine_actor_placement(i, cfg, cuda=cuda, pg=pg, colocated=shared_pg is not None, env=env)
         actor_cls = ray.remote(WarEngine).options(**options)
         handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
                                         agent_func_path=agent_func_path))
     ray.get([h.start.remote() for h in handles])
     return handles
+
+
+def engine_actor_placement(index: int, cfg: EngineConfig, *, cuda: bool, pg: Any = None, colocated: bool = False,
+                           env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Ray ``.options(...)`` of engine actor ``index``: resources, placement-group bundle and
+    environment (see :func:`~war_openrlhf.engine.launch.gpu_engine_placement` for GPUs)."""
+    env_vars = {**(env or {})}
+    if not cuda:  # a core bind given in env wins here
+        for name, value in cpu_engine_env(cfg.cpu_core).items():
+            env_vars.setdefault(name, value)
+    options = engine_actor_options(cuda=cuda, env_vars=env_vars)
+    options["max_concurrency"] = 1000
+    bundle_index = index
+    if cuda:
+        tp = cfg.tensor_parallel_size
+        bundles = None
+        if pg is not None and tp > 1:
+            from openrlhf.trainer.ray.utils import get_bundle_indices  # bundles grouped by node
+
+            bundles = get_bundle_indices(pg, index, tp)
+        place, device_env = gpu_engine_placement(index, tp, colocated=colocated, bundle_indices=bundles)
+        bundle_index = place["bundle_index"]
+        options.update(num_cpus=place["num_cpus"], num_gpus=place["num_gpus"])
+        options["runtime_env"]["env_vars"].update(device_env)
+    if pg is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True)  # vLLM's Ray workers (tensor parallel) join it
+    elif cuda:
+        options["num_cpus"] = 0
+    return options

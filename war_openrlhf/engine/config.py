@@ -18,6 +18,9 @@ from .spec_switch import SpecSwitchConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SPECULATION_MODES = ("auto", "on", "off", "vllm_suffix")
+# vLLM 0.29's ModelConfig.logprobs_mode choices (OpenRLHF's --algo.advantage.is_correction_level
+# asks for processed_logprobs: the sampler's log-probs after temperature / top-p)
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -46,6 +49,10 @@ class EngineConfig:
     switch: SpecSwitchConfig = field(default_factory=SpecSwitchConfig)
     sync_max_lag_records: int = 64
     sync_max_lag_seconds: float = 0.25
+    tensor_parallel_size: int = 1  # GPUs per engine (vLLM's Ray executor inside the actor when > 1)
+    enable_sleep_mode: bool = False  # vLLM sleep mode: free weights + KV while the trainer runs (CUDA)
+    logprobs_mode: str | None = None  # vLLM's logprobs_mode; None: vLLM's default (raw_logprobs)
+    full_determinism: bool = False  # vLLM in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), as OpenRLHF
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):
@@ -58,7 +65,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.speculation: '{self.speculation}' is not one of {', '.join(SPECULATION_MODES)}"
             )
-        for name in ("max_model_len", "num_speculative_tokens", "sync_max_lag_records"):
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"EngineConfig.logprobs_mode: '{self.logprobs_mode}' is not one of "
+                             f"{', '.join(LOGPROBS_MODES)}")
+        for name in ("max_model_len", "num_speculative_tokens", "sync_max_lag_records", "tensor_parallel_size"):
             check_int("EngineConfig", name, getattr(self, name), 1)
         check_int("EngineConfig", "cpu_core", self.cpu_core, 0, nullable=True)
         check_int("EngineConfig", "kv_capacity_tokens", self.kv_capacity_tokens, 1, nullable=True)
@@ -119,6 +129,12 @@ def check_startup(config: EngineConfig, *, cuda: bool, taken_cores: set[int] | N
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"EngineConfig.model: '{config.model}' has no config.json; is it a HF model directory?")
     if not cuda:
+        if config.enable_sleep_mode:
+            raise ValueError("EngineConfig.enable_sleep_mode: vLLM's sleep mode needs CUDA (its cumem allocator); "
+                             "on CPU drop --vllm.enable_sleep")
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size: {config.tensor_parallel_size} on CPU; a CPU "
+                             "engine runs on one core, use 1 (tensor parallelism is for GPU engines)")
         if config.dtype == "float16":
             raise ValueError("EngineConfig.dtype: float16 is not supported by vLLM on CPU; use bfloat16 or float32")
         need = kv_bytes_per_token(model_dir, config.dtype) * config.max_model_len

@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..device import cuda_available, kv_blocks_for
+from ..device import cluster_device
 from ..speculation.log import LogEntry
 from .config import EngineConfig, check_startup
-from .launch import cpu_engine_env
+from .launch import cpu_engine_env, device_env_for_engine, vllm_engine_kwargs
 from .rpc import (
     RPC_APPLY_LOG,
     RPC_INDEX_STATS,
@@ -93,6 +93,15 @@ class _SchedulerStatsLogger:
         pass
 
 
+def _ray_gpu_ids() -> list:
+    try:
+        import ray
+
+        return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return []
+
+
 class WarEngine:
     """One rollout engine. Create, then ``await start()`` (Ray: ``actor.start.remote()``)."""
 
@@ -100,11 +109,24 @@ class WarEngine:
                  engine_index: int = 0, agent_func_path: str | None = None) -> None:
         self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(dict(config))
         self.engine_index = engine_index
-        self.cuda = cuda_available()
+        self.cuda = cluster_device() == "cuda"  # the run's device, not this actor's (TP engines hold no GPU)
         check_startup(self.config, cuda=self.cuda)
         if not self.cuda:
             os.environ.update(cpu_engine_env(self.config.cpu_core, self.config.kv_cache_space_gib))
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # OpenRLHF's weight-sync RPCs
+        else:
+            for name, value in device_env_for_engine(self.config.tensor_parallel_size, os.environ,
+                                                     _ray_gpu_ids()).items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+        if self.config.full_determinism:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as OpenRLHF's --train.full_determinism_enable
+        # OpenRLHF's weight-sync RPCs (update_weight & co. through collective_rpc) carry
+        # torch dtypes and CUDA IPC handles, which vLLM >= 0.9 serialises only with this on
+        # (OpenRLHF sets it in its own engine actors, vllm_engine.py line 84)
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        self.weight_version = 0  # weight syncs so far: turns are tagged with it
         self._openrlhf_worker = openrlhf_worker
         self._agent_func_path = agent_func_path
         self._pending: deque[dict[str, Any]] = deque()
@@ -124,26 +146,7 @@ class WarEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         cfg = self.config
-        kwargs: dict[str, Any] = dict(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            seed=cfg.seed,
-            skip_tokenizer_init=False,
-        )
-        if self.cuda:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        if cfg.kv_capacity_tokens is not None:  # a stated KV-pressure regime: the same size on every engine
-            kwargs["num_gpu_blocks_override"] = kv_blocks_for(cfg.kv_capacity_tokens, self.cuda)
-        if cfg.speculation == "vllm_suffix":
-            kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": cfg.num_speculative_tokens}
-            if self._openrlhf_worker:
-                kwargs["worker_extension_cls"] = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
-        else:
-            kwargs.update(war_engine_kwargs(cfg.num_speculative_tokens, cfg.index.max_tree_depth,
-                                            openrlhf=self._openrlhf_worker))
+        kwargs = vllm_engine_kwargs(cfg, cuda=self.cuda, openrlhf_worker=self._openrlhf_worker)
         holder: dict[str, _SchedulerStatsLogger] = {}
 
         def factory(vllm_config, engine_index=0):
@@ -229,6 +232,7 @@ class WarEngine:
         sampling_params.extra_args = war_extra_args(trajectory_id, group_id, sampling_params.extra_args)
         rid = request_id or f"war-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
+        version_at_start = self.weight_version
         final = None
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
                                            sampling_params, request_id=rid):
@@ -247,6 +251,9 @@ class WarEngine:
             "num_cached_tokens": int(final.num_cached_tokens or 0),
             "seconds": time.perf_counter() - t0,
             "engine": self.engine_index,
+            # the weights that produced this turn: one version, or two when a weight sync
+            # landed mid-turn (OpenRLHF's partial rollouts pause and resume generation around it)
+            "weight_versions": [version_at_start, self.weight_version],
         }
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -345,6 +352,7 @@ class WarEngine:
             "sync_errors": self._sync_errors,
             "index_owner": self._index_owner,
             "last_sync_error": self._last_sync_error,
+            "weight_version": self.weight_version,
         }
         if logger is not None:
             out.update(logger.current)
@@ -377,6 +385,14 @@ class WarEngine:
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
 
+    async def weights_updated(self) -> int:
+        """After a weight sync (either trainer): drop the prefix cache's KV (computed with
+        the old weights) and count the new version; returns it. Turns report the versions
+        they ran under (``generate_tokens``' ``weight_versions``)."""
+        await self.llm.reset_prefix_cache()
+        self.weight_version += 1
+        return self.weight_version
+
     async def update_weights(self, named_tensors: Sequence[tuple[str, Any]]) -> int:
         """Load new weights: ``(name, tensor)`` pairs in the model's own naming (as a
         HF ``state_dict``), shipped through Ray's object store on CPU. Resets the
@@ -408,6 +424,12 @@ class WarEngine:
         await self.llm.resume_generation()
 
     async def sleep(self, level=1):
+        """vLLM's sleep (``--vllm.enable_sleep``): frees the GPU's weights and KV while the
+        trainer runs. The suffix index replica and the switch live in the worker's host
+        memory and stay as they are; the prefix cache is empty after it (vLLM resets it)."""
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError(f"engine {self.engine_index}: sleep() needs EngineConfig.enable_sleep_mode "
+                               "(war-train sets it from --vllm.enable_sleep)")
         await self.llm.sleep(level=level)
 
     async def wake_up(self, tags=None):

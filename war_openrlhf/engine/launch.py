@@ -10,9 +10,10 @@ GiB, at least 1), and its actor holds one CPU and no GPU.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-__all__ = ["check_num_engines", "cpu_engine_cores", "cpu_engine_env", "engine_actor_options"]
+__all__ = ["check_num_engines", "cpu_engine_cores", "cpu_engine_env", "engine_actor_options",
+           "gpu_engine_placement", "device_env_for_engine", "vllm_engine_kwargs"]
 
 
 def check_num_engines(num_engines: Any) -> None:
@@ -58,3 +59,90 @@ def engine_actor_options(*, cuda: bool, env_vars: dict[str, str]) -> dict[str, A
     """Ray ``.options(...)`` of one engine actor: one CPU, one GPU on CUDA (none on CPU),
     ``env_vars`` in its ``runtime_env``."""
     return dict(num_cpus=1, num_gpus=1 if cuda else 0, runtime_env={"env_vars": env_vars})
+
+
+def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -> dict[str, Any]:
+    """The ``vllm.AsyncEngineArgs`` of one WAR engine, from its :class:`EngineConfig`.
+
+    What OpenRLHF 0.11.2's ``create_vllm_engines`` hands vLLM (``trainer/ray/vllm_engine.py``
+    lines 240-298) where it applies: ``distributed_executor_backend`` ``uni`` for one GPU,
+    ``ray`` for tensor parallelism (vLLM then places its workers on the engine's bundles),
+    ``gpu_memory_utilization``, ``enable_sleep_mode``, ``logprobs_mode`` with
+    ``max_logprobs=1``; plus WAR's speculative config and worker extension.
+    """
+    from ..device import kv_blocks_for
+    from .rpc import war_engine_kwargs
+
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        seed=cfg.seed,
+        skip_tokenizer_init=False,
+    )
+    if cuda:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
+        kwargs["distributed_executor_backend"] = "uni" if cfg.tensor_parallel_size == 1 else "ray"
+        if cfg.enable_sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+    if cfg.logprobs_mode:
+        kwargs["logprobs_mode"] = cfg.logprobs_mode
+        kwargs["max_logprobs"] = 1
+    if cfg.kv_capacity_tokens is not None:  # a stated KV-pressure regime: the same size on every engine
+        kwargs["num_gpu_blocks_override"] = kv_blocks_for(cfg.kv_capacity_tokens, cuda)
+    if cfg.speculation == "vllm_suffix":
+        kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": cfg.num_speculative_tokens}
+        if openrlhf_worker:
+            kwargs["worker_extension_cls"] = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
+    else:
+        kwargs.update(war_engine_kwargs(cfg.num_speculative_tokens, cfg.index.max_tree_depth,
+                                        openrlhf=openrlhf_worker))
+    return kwargs
+
+
+def gpu_engine_placement(index: int, tensor_parallel_size: int, *, colocated: bool,
+                         bundle_indices: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Ray resources and environment of GPU engine ``index``, as OpenRLHF places its own.
+
+    OpenRLHF 0.11.2 (``create_vllm_engines``, ``trainer/ray/vllm_engine.py`` lines 240-305,
+    and ``RolloutRayActor._configure_device_env``, lines 66-78): one GPU per engine actor
+    when ``tensor_parallel_size`` is 1 (0.2 when colocated with the trainer in a shared
+    placement group, so that the trainer's and the engine's actors share a GPU), none when
+    it is larger (vLLM's Ray executor asks for the GPUs of the engine's bundles, named by
+    ``VLLM_RAY_BUNDLE_INDICES``); as many CPUs as GPUs; the bundle of the engine's first GPU.
+    Returns ``(options, env)``: ``options`` holds ``num_cpus``, ``num_gpus`` and
+    ``bundle_index``; ``env`` the variables the engine sets before vLLM starts.
+    """
+    check_num_engines(tensor_parallel_size)
+    if bundle_indices is None:
+        bundle_indices = list(range(index * tensor_parallel_size, (index + 1) * tensor_parallel_size))
+    bundle_indices = [int(b) for b in bundle_indices]
+    if len(bundle_indices) != tensor_parallel_size:
+        raise ValueError(f"bundle_indices: {len(bundle_indices)} bundles for tensor_parallel_size "
+                         f"{tensor_parallel_size}")
+    num_gpus: float = 1 if tensor_parallel_size == 1 else 0
+    if colocated and tensor_parallel_size == 1:
+        num_gpus = 0.2
+    env: dict[str, str] = {}
+    if tensor_parallel_size > 1:
+        env["VLLM_RAY_PER_WORKER_GPUS"] = str(0.2 if colocated else 1)
+        env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, bundle_indices))
+    return {"num_cpus": num_gpus, "num_gpus": num_gpus, "bundle_index": bundle_indices[0]}, env
+
+
+def device_env_for_engine(tensor_parallel_size: int, environ: Mapping[str, str], gpu_ids: Sequence[Any]) -> dict[str, str | None]:
+    """Changes to an engine process's environment before vLLM starts (``None``: remove).
+
+    As OpenRLHF's ``_configure_device_env``: with vLLM's Ray executor (tensor parallel) the
+    workers pick their own devices, so ``CUDA_VISIBLE_DEVICES`` goes; with
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` set Ray leaves it unset, so the engine
+    pins the GPU Ray gave it.
+    """
+    if tensor_parallel_size > 1:
+        return {"CUDA_VISIBLE_DEVICES": None, "ROCR_VISIBLE_DEVICES": None, "HIP_VISIBLE_DEVICES": None}
+    if environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") and gpu_ids:  # any value, as OpenRLHF
+        return {"CUDA_VISIBLE_DEVICES": str(gpu_ids[0])}
+    return {}

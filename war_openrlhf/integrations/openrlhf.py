@@ -37,7 +37,9 @@ from dataclasses import replace
 from importlib import metadata
 from typing import Any, Callable, Mapping, Sequence
 
+from ..engine.config import EngineConfig
 from ..rollout import RolloutConfig
+from ..training.weight_sync_hook import after_weight_sync
 
 __all__ = ["SUPPORTED_OPENRLHF", "OPENRLHF_OWNED", "check_openrlhf_version", "refuse_openrlhf_owned",
            "merge_openrlhf_args", "war_engine_factory", "war_trainer_class", "install", "applied_patches",
@@ -57,6 +59,11 @@ OPENRLHF_OWNED: dict[str, str] = {
     "n_samples_per_prompt": "rollout.n_samples_per_prompt",
     "temperature": "rollout.temperature",
     "top_p": "rollout.top_p",
+    "engine.tensor_parallel_size": "vllm.tensor_parallel_size",
+    "engine.gpu_memory_utilization": "vllm.gpu_memory_utilization",
+    "engine.enable_sleep_mode": "vllm.enable_sleep",
+    "engine.full_determinism": "train.full_determinism_enable",
+    "engine.logprobs_mode": "algo.advantage.is_correction_level",
 }
 
 _LOCK = threading.Lock()
@@ -83,6 +90,14 @@ def _need(module: Any, *names: str) -> None:
     if missing:
         raise RuntimeError(f"war_openrlhf.integrations.openrlhf: {module.__name__} has no {', '.join(missing)}; "
                            f"the seams are written for OpenRLHF {', '.join(SUPPORTED_OPENRLHF)}")
+
+
+def _opt(namespace: Any, dotted: str, default: Any) -> Any:
+    """An optional OpenRLHF argument (``default`` when this namespace lacks it)."""
+    try:
+        return _dig(namespace, dotted)
+    except AttributeError:
+        return default
 
 
 def _dig(namespace: Any, dotted: str) -> Any:
@@ -113,10 +128,22 @@ def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
     top["max_context_tokens"] = int(top["max_context_tokens"])
     top["n_samples_per_prompt"] = int(top["n_samples_per_prompt"])
     top["temperature"], top["top_p"] = float(top["temperature"]), float(top["top_p"])
-    engine = _engine_from_openrlhf(config, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
-                                   seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),
-                                   max_model_len=_dig(args, OPENRLHF_OWNED["engine.max_model_len"]),
-                                   enforce_eager=bool(args.vllm.enforce_eager))
+    cap = getattr(getattr(args, "rollout", None), "max_new_tokens", None)
+    if cap is not None:  # OpenRLHF's per-generation cap: here, per model turn
+        if config.max_new_tokens_per_turn not in (None, int(cap)):
+            raise ValueError(f"--rollout.max_new_tokens {cap} and the WAR setting max_new_tokens_per_turn "
+                             f"{config.max_new_tokens_per_turn} disagree; set one")
+        top["max_new_tokens_per_turn"] = int(cap)
+    correction = _opt(args, "algo.advantage.is_correction_level", "off")
+    engine = engine_settings(config, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
+                             seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),
+                             max_model_len=_dig(args, OPENRLHF_OWNED["engine.max_model_len"]),
+                             enforce_eager=bool(args.vllm.enforce_eager),
+                             tensor_parallel_size=_opt(args, "vllm.tensor_parallel_size", 1),
+                             full_determinism=_opt(args, "train.full_determinism_enable", False),
+                             gpu_memory_utilization=_opt(args, "vllm.gpu_memory_utilization", None),
+                             vllm_enable_sleep=_opt(args, "vllm.enable_sleep", False),
+                             logprobs_mode="processed_logprobs" if correction not in (None, "off") else None)
     merged = RolloutConfig.from_dict({**config.as_dict(), **top, "engine": engine.as_dict()},
                                      source="WAR settings + OpenRLHF arguments")
     return merged
@@ -134,28 +161,64 @@ def _engine_from_openrlhf(config: RolloutConfig, *, pretrain: str, seed: int, ma
 # ------------------------------------------------------------------ engines
 def war_engine_factory(config: RolloutConfig) -> Callable[..., list]:
     """A replacement for OpenRLHF's ``create_vllm_engines``: WAR engine actors with OpenRLHF's
-    weight-sync worker extension, in one placement group."""
+    weight-sync worker extension, placed as OpenRLHF places its own (see :func:`engine_settings`)."""
 
     def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism,
-                            enable_prefix_caching, enforce_eager, max_model_len, *args, **kwargs):
+                            enable_prefix_caching, enforce_eager, max_model_len, shared_pg=None,
+                            gpu_memory_utilization=None, vllm_enable_sleep=False, logprobs_mode=None,
+                            agent_func_path=None, remote_rm_url=None, max_images_per_prompt=0):
         from ..engine.actors import create_war_engines
+        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
 
-        if tensor_parallel_size != 1:
-            raise ValueError(f"--vllm.tensor_parallel_size {tensor_parallel_size}: WAR engines run one GPU "
-                             "each (tensor parallelism is not supported yet); use 1")
-        engine = _engine_from_openrlhf(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
-                                       enforce_eager=enforce_eager)
-        return create_war_engines(num_engines, engine, openrlhf_worker=True, placement_group=True)
+        engine = engine_settings(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
+                                 enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                 full_determinism=full_determinism,
+                                 gpu_memory_utilization=gpu_memory_utilization,
+                                 vllm_enable_sleep=vllm_enable_sleep, logprobs_mode=logprobs_mode,
+                                 remote_rm_url=remote_rm_url, max_images_per_prompt=max_images_per_prompt)
+        engines = create_war_engines(num_engines, engine, openrlhf_worker=True, placement_group=shared_pg is None,
+                                     shared_pg=shared_pg)
+        if vllm_enable_sleep:  # as OpenRLHF: engines sleep until the first generation wakes them
+            batch_vllm_engine_call(engines, "sleep")
+        return engines
 
     return create_vllm_engines
 
 
+def engine_settings(config: RolloutConfig, *, pretrain: str, seed: int, max_model_len: int, enforce_eager: bool,
+                    tensor_parallel_size: int = 1, full_determinism: bool = False,
+                    gpu_memory_utilization: float | None = None, vllm_enable_sleep: bool = False,
+                    logprobs_mode: str | None = None, remote_rm_url: Any = None,
+                    max_images_per_prompt: int = 0) -> Any:
+    """The WAR engines' :class:`EngineConfig` from what ``train_ppo_ray`` hands
+    ``create_vllm_engines`` (OpenRLHF 0.11.2, ``trainer/ray/vllm_engine.py`` lines 209-225):
+    every argument is honoured or refused here, none is dropped."""
+    if remote_rm_url:
+        raise ValueError(f"--reward.remote_url {remote_rm_url!r}: WAR rollouts are multi-turn episodes whose "
+                         "reward comes from the agent file (--train.agent_func_path); a remote reward model "
+                         "is not supported")
+    if max_images_per_prompt:
+        raise ValueError(f"--data.max_images_per_prompt {max_images_per_prompt}: WAR engines serve text models "
+                         "only; vision-language rollouts are not supported")
+    engine = _engine_from_openrlhf(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
+                                   enforce_eager=enforce_eager)
+    changes: dict[str, Any] = {"tensor_parallel_size": int(tensor_parallel_size),
+                               "full_determinism": bool(full_determinism) or engine.full_determinism,
+                               "enable_sleep_mode": bool(vllm_enable_sleep)}
+    if gpu_memory_utilization is not None:
+        changes["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    if logprobs_mode:
+        changes["logprobs_mode"] = str(logprobs_mode)
+    return EngineConfig.from_dict({**engine.as_dict(), **changes}, source="OpenRLHF's --vllm.* arguments")
+
+
 # ------------------------------------------------------------------ trainers
 def _prepare_cpu() -> None:
-    """In a trainer actor's process: the CPU patches, when this process has no CUDA."""
-    from ..device import cuda_available
+    """In a trainer actor's process: the CPU patches, in a CPU run only (the cluster's device,
+    :func:`~war_openrlhf.device.cluster_device`; an actor without a GPU in a GPU run is left alone)."""
+    from ..device import cluster_device
 
-    if not cuda_available():
+    if cluster_device() == "cpu":
         from ..cpu import apply_cpu_support
 
         apply_cpu_support()
@@ -197,11 +260,8 @@ def _sync_trainer_cls(config: RolloutConfig):
 
         def broadcast_to_vllm(self) -> None:
             super().broadcast_to_vllm()
-            # WAR engines always cache prefixes: KV computed with the old weights must go
-            # (OpenRLHF resets it only with --vllm.enable_prefix_caching)
-            ray.get([e.reset_prefix_cache.remote() for e in self.vllm_engines])
-            # records completed from now on come from the new policy
-            self.samples_generator.pool.advance_policy_version()
+            # prefix caches dropped, engines' weight version advanced (the one hook of both trainers)
+            self.samples_generator.pool.advance_policy_version(after_weight_sync(self.vllm_engines))
 
         def war_rollout_metrics(self) -> dict[str, Any]:
             return dict(self.samples_generator.metrics)
@@ -213,7 +273,7 @@ def _async_trainer_cls(config: RolloutConfig):
     import ray
     import openrlhf.trainer.ppo_trainer_async as mod
 
-    _need(mod, "GenerateSamplesActor", "PPOTrainerAsync")
+    _need(mod, "GenerateSamplesActor", "TrainingActor", "BasePPOTrainer", "PPOTrainerAsync")
     gen_base = mod.GenerateSamplesActor.__ray_actor_class__
 
     class WarGenerateSamplesActor(gen_base):
@@ -223,6 +283,35 @@ def _async_trainer_cls(config: RolloutConfig):
             _prepare_cpu()
             super().__init__(pretrain, strategy, vllm_engines, **kwargs)
             self.samples_generator = _war_samples_generator(self, strategy, vllm_engines, config)
+
+    training_base = mod.TrainingActor.__ray_actor_class__
+
+    class WarTrainingActor(training_base):
+        """OpenRLHF's async training actor; the weight-sync hook inside its broadcast.
+
+        OpenRLHF 0.11.2's ``TrainingActor.broadcast_to_vllm`` (``ppo_trainer_async.py`` lines
+        255-266), with :func:`after_weight_sync` while the engines are still paused under
+        ``--train.partial_rollout_enable``: a turn that resumes afterwards reports both
+        versions it ran under, and no turn starts on the new weights with an old prefix cache.
+        """
+
+        def __init__(self, *args, **kwargs) -> None:
+            _prepare_cpu()
+            super().__init__(*args, **kwargs)
+
+        def broadcast_to_vllm(self):
+            from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+            ray.get(self.vllm_lock.acquire.remote())
+            if self._partial_rollout:
+                batch_vllm_engine_call(self.vllm_engines, "pause_generation")
+            try:
+                mod.BasePPOTrainer.broadcast_to_vllm(self)  # the weights, as TrainingActor does
+                after_weight_sync(self.vllm_engines)
+            finally:
+                if self._partial_rollout:
+                    batch_vllm_engine_call(self.vllm_engines, "resume_generation")
+                ray.get(self.vllm_lock.release.remote())
 
     trainer_base = mod.PPOTrainerAsync.__ray_actor_class__
 
@@ -235,8 +324,11 @@ def _async_trainer_cls(config: RolloutConfig):
             # module attribute is its ActorClass wrapper), so its __init__ reads its own copy
             # of the module globals: patch that copy, and the module for good measure.
             war_gen = ray.remote(WarGenerateSamplesActor)
+            war_training = ray.remote(WarTrainingActor)
             trainer_base.__init__.__globals__["GenerateSamplesActor"] = war_gen
+            trainer_base.__init__.__globals__["TrainingActor"] = war_training
             mod.GenerateSamplesActor = war_gen
+            mod.TrainingActor = war_training
             super().__init__(*args, **kwargs)
 
     return WarPPOTrainerAsync

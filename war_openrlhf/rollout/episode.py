@@ -27,6 +27,12 @@ from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
 
 
+def _versions(out: dict) -> tuple[int, int]:
+    """``(first, last)`` weight version a turn ran under (an engine without versions: ``(0, 0)``)."""
+    v = out.get("weight_versions") or (0, 0)
+    return int(min(v)), int(max(v))
+
+
 class TurnService(Protocol):
     """What an episode needs from the pool."""
 
@@ -141,7 +147,8 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                          prompt_tokens=int(out.get("num_prompt_tokens", begin)),
                          cached_tokens=int(out.get("num_cached_tokens", 0)),
                          finish_reason=str(out.get("finish_reason")), dispatched_s=dispatched - t0,
-                         generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)))
+                         generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)),
+                         policy_versions=_versions(out))
         traj.turns.append(rec)
         traj.truncated = out.get("finish_reason") == "length"
 

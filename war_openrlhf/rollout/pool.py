@@ -206,7 +206,12 @@ class RolloutPool:
                                      response_tokens=len(response),
                                      latency_s=time.perf_counter() - t_sent, batch=batch,
                                      trajectory_id=trajectory_id)
-            self.log.append(CompletedSequence.create(trajectory_id, group_id, self.policy_version, ctx, response))
+            versions = out.get("weight_versions")
+            if versions and max(versions) > self.policy_version:  # the engines' weights moved on
+                self.advance_policy_version(int(max(versions)))
+            # the record ages from the oldest weights that produced any of its tokens
+            version = int(min(versions)) if versions else self.policy_version
+            self.log.append(CompletedSequence.create(trajectory_id, group_id, version, ctx, response))
             await self._notify()
             return out
 
@@ -283,8 +288,13 @@ class RolloutPool:
                                  "spec": "n/a" if spec is None else f"{spec:.0%}"}, refresh=True)
 
     def advance_policy_version(self, version: int | None = None) -> int:
-        """New weights: later records carry the new version (the index can age out old ones)."""
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        """New weights: later records carry the new version (the index can age out old ones).
+        Called by the weight-sync hook (:func:`war_openrlhf.training.weight_sync_hook.after_weight_sync`
+        returns the engines' version) and by the pool itself when a turn reports a newer one."""
+        version = self.policy_version + 1 if version is None else int(version)
+        if version <= self.policy_version:
+            return self.policy_version
+        self.policy_version = version
         self.log.advance_policy_version(self.policy_version)
         # a weight sync resets the engines' prefix caches: the dispatcher's model of them goes too
         self.policy.on_prefix_cache_reset()

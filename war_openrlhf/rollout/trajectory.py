@@ -36,6 +36,9 @@ class TurnRecord:
     tool_s: float = 0.0  # environment step after this turn
     attempts: int = 1  # >1: re-dispatched after an engine failure
     tool_error: str | None = None
+    # weight versions the turn ran under (engine's count of weight syncs): one, or the
+    # first and last when a sync landed mid-turn (OpenRLHF's partial rollouts)
+    policy_versions: tuple[int, int] = (0, 0)
 
 
 @dataclass

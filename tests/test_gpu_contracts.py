@@ -1,0 +1,248 @@
+"""The GPU path's contracts, checked on CPU: what WAR hands vLLM and Ray for OpenRLHF's
+colocated, tensor-parallel and sleeping engines, every ``create_vllm_engines`` argument
+honoured or refused, and the run's device decided by the cluster, not by an actor.
+
+Each test is named after its contract (``colocate``, ``tensor_parallel``, ``sleep``,
+``async_weight_sync`` (in test_rollout_pool.py), ``cluster_device``), so that
+``pytest -k colocate`` runs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from war_openrlhf.engine.config import EngineConfig, check_startup
+from war_openrlhf.engine.rpc import WAR_OPENRLHF_WORKER_EXTENSION
+from war_openrlhf.engine.launch import device_env_for_engine, gpu_engine_placement, vllm_engine_kwargs
+from war_openrlhf.rollout import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    return build_tiny_model(ROOT / ".cache" / "war_tiny_model")
+
+
+def _settings(**kw):
+    from war_openrlhf.integrations.openrlhf import engine_settings
+
+    base = dict(pretrain="/m", seed=3, max_model_len=1024, enforce_eager=True)
+    return engine_settings(RolloutConfig(), **{**base, **kw})
+
+
+# ------------------------------------------------------------------ tensor parallel
+def test_tensor_parallel_engine_gets_vllms_ray_executor_on_its_bundles():
+    cfg = _settings(tensor_parallel_size=2, gpu_memory_utilization=0.6)
+    args = vllm_engine_kwargs(cfg, cuda=True, openrlhf_worker=True)
+    assert args["tensor_parallel_size"] == 2 and args["distributed_executor_backend"] == "ray"
+    assert args["gpu_memory_utilization"] == 0.6 and args["seed"] == 3
+    assert args["worker_extension_cls"] == WAR_OPENRLHF_WORKER_EXTENSION  # OpenRLHF's weight sync + WAR's hook
+    one = vllm_engine_kwargs(_settings(), cuda=True)
+    assert one["distributed_executor_backend"] == "uni" and one["tensor_parallel_size"] == 1
+    # as OpenRLHF: the actor holds no GPU, vLLM's workers take bundles 2k, 2k+1 of engine k
+    options, env = gpu_engine_placement(1, 2, colocated=False)
+    assert options == {"num_cpus": 0, "num_gpus": 0, "bundle_index": 2}
+    assert env == {"VLLM_RAY_PER_WORKER_GPUS": "1", "VLLM_RAY_BUNDLE_INDICES": "2,3"}
+    options, env = gpu_engine_placement(0, 2, colocated=True, bundle_indices=[4, 5])
+    assert options["bundle_index"] == 4 and env["VLLM_RAY_PER_WORKER_GPUS"] == "0.2"
+    with pytest.raises(ValueError, match="bundle_indices: 1 bundles for tensor_parallel_size 2"):
+        gpu_engine_placement(0, 2, colocated=False, bundle_indices=[0])
+    # vLLM's Ray workers choose their devices: the engine process must not pin one
+    assert device_env_for_engine(2, {"CUDA_VISIBLE_DEVICES": "0"}, [0]) == {
+        "CUDA_VISIBLE_DEVICES": None, "ROCR_VISIBLE_DEVICES": None, "HIP_VISIBLE_DEVICES": None}
+
+
+def test_tensor_parallel_on_cpu_is_refused_with_the_reason(model_dir):
+    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 on CPU"):
+        check_startup(cfg, cuda=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size: must be an int >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_noset_visible_devices_pins_the_gpu_ray_gave_the_engine():
+    """RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: Ray leaves CUDA_VISIBLE_DEVICES alone, so
+    the engine pins its GPU itself (OpenRLHF's RolloutRayActor._configure_device_env)."""
+    assert device_env_for_engine(1, {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, [3]) == {
+        "CUDA_VISIBLE_DEVICES": "3"}
+    assert device_env_for_engine(1, {}, [3]) == {}
+
+
+# ------------------------------------------------------------------ colocate
+def test_colocate_puts_engines_on_the_shared_group_with_a_fraction_of_a_gpu():
+    options, env = gpu_engine_placement(1, 1, colocated=True)
+    assert options == {"num_cpus": 0.2, "num_gpus": 0.2, "bundle_index": 1} and env == {}
+    options, _ = gpu_engine_placement(1, 1, colocated=False)
+    assert options["num_gpus"] == 1
+
+
+_COLOCATE_SCRIPT = textwrap.dedent("""
+    import json, ray
+    from ray.util.placement_group import placement_group
+    from war_openrlhf.device import detect_cluster_device
+    from war_openrlhf.engine.actors import engine_actor_placement
+    from war_openrlhf.engine.config import EngineConfig
+
+    ray.init(num_cpus=4, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    out = {"device": detect_cluster_device()}  # logical GPUs of a CPU cluster are not CUDA
+    # OpenRLHF's colocated group: one {"GPU": 1, "CPU": 1} bundle per GPU, the trainer's
+    # actors take 0.2 GPU of each; WAR engines must land on the same bundles
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * 2, strategy="PACK")
+    ray.get(pg.ready())
+
+    @ray.remote
+    class Probe:
+        def where(self):
+            ctx = ray.get_runtime_context()
+            return ctx.get_placement_group_id(), ray.get_gpu_ids()
+
+    trainer = [Probe.options(num_cpus=0.2, num_gpus=0.2, scheduling_strategy=ray.util.scheduling_strategies
+               .PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)).remote()
+               for i in range(2)]
+    cfg = EngineConfig(model="/m")
+    engines = []
+    for i in range(2):
+        opts = engine_actor_placement(i, cfg, cuda=True, pg=pg, colocated=True)
+        opts.pop("max_concurrency"); opts.pop("runtime_env")
+        out.setdefault("options", []).append({"num_gpus": opts["num_gpus"],
+            "bundle": opts["scheduling_strategy"].placement_group_bundle_index})
+        engines.append(Probe.options(**opts).remote())
+    where = ray.get([a.where.remote() for a in trainer + engines], timeout=60)
+    out["groups"] = sorted({w[0] for w in where})
+    out["pg"] = pg.id.hex()
+    out["gpus"] = [w[1] for w in where]
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_colocate_engines_share_the_trainers_gpus_on_a_logical_gpu_cluster():
+    """On Ray with logical GPUs: the trainer's actors and the engines (as WAR places them with
+    OpenRLHF's shared placement group) all fit on the group's two bundles, 0.2 GPU each,
+    engine i on bundle i next to trainer rank i; the run's device is ``cpu``."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("WAR_CLUSTER_DEVICE", None)
+    proc = subprocess.run([sys.executable, "-c", _COLOCATE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    out = json.loads(line[0][len("RESULT "):])
+    assert out["device"] == "cpu"
+    assert out["options"] == [{"num_gpus": 0.2, "bundle": 0}, {"num_gpus": 0.2, "bundle": 1}]
+    assert out["groups"] == [out["pg"]]
+    assert out["gpus"][2] == out["gpus"][0] and out["gpus"][3] == out["gpus"][1]  # same GPU as the trainer rank
+
+
+# ------------------------------------------------------------------ sleep
+def test_sleep_mode_reaches_vllm_on_gpu_and_is_refused_on_cpu(model_dir):
+    cfg = _settings(vllm_enable_sleep=True)
+    assert cfg.enable_sleep_mode is True
+    assert vllm_engine_kwargs(cfg, cuda=True)["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in vllm_engine_kwargs(_settings(), cuda=True)
+    cpu_cfg = EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512, enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="enable_sleep_mode: vLLM's sleep mode needs CUDA"):
+        check_startup(cpu_cfg, cuda=False)
+
+
+def test_sleep_without_sleep_mode_is_an_error_not_a_no_op(model_dir):
+    """OpenRLHF calls ``sleep`` on its engines with --vllm.enable_sleep; a WAR engine started
+    without sleep mode refuses it, naming the setting, instead of silently keeping its memory."""
+    import asyncio
+
+    from war_openrlhf.engine.engine import WarEngine
+
+    eng = WarEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=512))
+    with pytest.raises(RuntimeError, match=r"sleep\(\) needs EngineConfig.enable_sleep_mode"):
+        asyncio.run(eng.sleep())
+
+
+# ------------------------------------------------------------------ flags
+def test_every_create_vllm_engines_argument_is_honoured_or_refused():
+    from war_openrlhf.integrations.openrlhf import OPENRLHF_OWNED, refuse_openrlhf_owned
+
+    cfg = _settings(full_determinism=True, gpu_memory_utilization=0.5, logprobs_mode="processed_logprobs")
+    assert cfg.full_determinism and cfg.gpu_memory_utilization == 0.5 and cfg.logprobs_mode == "processed_logprobs"
+    args = vllm_engine_kwargs(cfg, cuda=True)
+    assert args["logprobs_mode"] == "processed_logprobs" and args["max_logprobs"] == 1
+    with pytest.raises(ValueError, match="remote reward model is not supported"):
+        _settings(remote_rm_url="http://rm")
+    with pytest.raises(ValueError, match="vision-language rollouts are not supported"):
+        _settings(max_images_per_prompt=2)
+    with pytest.raises(ValueError, match="logprobs_mode: 'bogus'"):
+        _settings(logprobs_mode="bogus")
+    # the WAR settings cannot set what these OpenRLHF arguments define
+    for key, flag in (("tensor_parallel_size", "vllm.tensor_parallel_size"),
+                      ("enable_sleep_mode", "vllm.enable_sleep"),
+                      ("gpu_memory_utilization", "vllm.gpu_memory_utilization")):
+        assert OPENRLHF_OWNED[f"engine.{key}"] == flag
+        with pytest.raises(ValueError, match=f"defined by OpenRLHF's --{flag}"):
+            refuse_openrlhf_owned({"engine": {key: 1}}, "x.yaml")
+
+
+def _openrlhf_args(**over):
+    ns = lambda **kw: SimpleNamespace(**kw)  # noqa: E731
+    args = ns(actor=ns(model_name_or_path="/m"), data=ns(max_len=1024), vllm=ns(
+        num_engines=2, enforce_eager=True, tensor_parallel_size=1, gpu_memory_utilization=0.7, enable_sleep=False),
+        train=ns(seed=1, agent_func_path="a.py", full_determinism_enable=True),
+        rollout=ns(n_samples_per_prompt=4, temperature=1.0, top_p=1.0, max_new_tokens=None),
+        algo=ns(advantage=ns(is_correction_level="token")))
+    for dotted, value in over.items():
+        obj = args
+        *path, last = dotted.split("__")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return args
+
+
+def test_openrlhf_flags_reach_the_pools_settings():
+    from war_openrlhf.integrations.openrlhf import merge_openrlhf_args
+
+    merged = merge_openrlhf_args(RolloutConfig(max_new_tokens_per_turn=None), _openrlhf_args(rollout__max_new_tokens=48))
+    assert merged.max_new_tokens_per_turn == 48
+    assert merged.engine.gpu_memory_utilization == 0.7 and merged.engine.full_determinism
+    assert merged.engine.logprobs_mode == "processed_logprobs"  # is_correction_level != off
+    off = merge_openrlhf_args(RolloutConfig(), _openrlhf_args(algo__advantage__is_correction_level="off"))
+    assert off.engine.logprobs_mode is None
+    with pytest.raises(ValueError, match="--rollout.max_new_tokens 48 and the WAR setting max_new_tokens_per_turn 64"):
+        merge_openrlhf_args(RolloutConfig(max_new_tokens_per_turn=64), _openrlhf_args(rollout__max_new_tokens=48))
+
+
+# ------------------------------------------------------------------ cluster device
+def test_cluster_device_comes_from_the_driver_not_the_actor(monkeypatch):
+    from war_openrlhf import device
+    from war_openrlhf.cpu import apply_cpu_support
+
+    monkeypatch.setenv(device.CLUSTER_DEVICE_ENV, "cuda")
+    assert device.cluster_device() == "cuda"  # an actor without a GPU in a GPU run
+    assert apply_cpu_support() is False  # never patched in a GPU run, even where torch sees no CUDA
+    monkeypatch.setenv(device.CLUSTER_DEVICE_ENV, "cpu")
+    assert device.cluster_device() == "cpu"
+    monkeypatch.setenv(device.CLUSTER_DEVICE_ENV, "tpu")
+    with pytest.raises(ValueError, match="WAR_CLUSTER_DEVICE: must be 'cuda' or 'cpu'"):
+        device.cluster_device()
+    monkeypatch.delenv(device.CLUSTER_DEVICE_ENV)
+    assert device.cluster_device() == ("cuda" if device.cuda_available() else "cpu")
+
+
+def test_ray_address_is_taken_from_the_command_line_or_the_environment(monkeypatch):
+    from war_openrlhf.cli.train_ppo import _ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert _ray_address(["--config", "x.yaml"]) == (None, ["--config", "x.yaml"])
+    assert _ray_address(["--ray-address", "1.2.3.4:6379", "--a"]) == ("1.2.3.4:6379", ["--a"])
+    assert _ray_address(["--ray-address=h:1"]) == ("h:1", [])
+    monkeypatch.setenv("RAY_ADDRESS", "env:2")
+    assert _ray_address([]) == ("env:2", [])
+    with pytest.raises(ValueError, match="--ray-address: needs the cluster's address"):
+        _ray_address(["--ray-address"])
