@@ -8,6 +8,7 @@ Every ``train_ppo_ray`` argument means what it means there (``--actor.model_name
 ``--war.*`` options set :class:`~war_openrlhf.rollout.RolloutConfig` keys
 (``--war.dispatch_policy war``, ``--war.engine.speculation auto``, ``--war.on_tool_error end``);
 ``--war.config`` reads them from a YAML file (its top-level keys, or its ``war:`` section).
+``war-train --preflight`` checks this node instead (:mod:`war_openrlhf.preflight`).
 ``--ray-address HOST:PORT`` (or ``RAY_ADDRESS``) joins a running Ray cluster instead of
 starting one. ``--config FILE`` reads a YAML with an ``openrlhf:`` section (train_ppo_ray arguments: a key per
 argument, ``true`` for a flag) and a ``war:`` section. An unknown key or a wrong type names the
@@ -216,6 +217,10 @@ def _ray_address(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--preflight":  # checks of this node, nothing started
+        from ..preflight import main as preflight
+
+        raise SystemExit(preflight(argv[1:]))
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         if not argv:

@@ -65,7 +65,9 @@ def create_war_engines(
         actor_cls = ray.remote(WarEngine).options(**options)
         handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
                                         agent_func_path=agent_func_path))
-    ray.get([h.start.remote() for h in handles])
+    started = ray.get([h.start.remote() for h in handles])
+    for i, stats in enumerate(started):
+        print(f"WAR engine {i} on node {stats.get('node_id', '?')}", flush=True)
     return handles
 
 

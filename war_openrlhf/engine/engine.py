@@ -102,6 +102,15 @@ def _ray_gpu_ids() -> list:
         return []
 
 
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return None
+
+
 class WarEngine:
     """One rollout engine. Create, then ``await start()`` (Ray: ``actor.start.remote()``)."""
 
@@ -353,6 +362,7 @@ class WarEngine:
             "index_owner": self._index_owner,
             "last_sync_error": self._last_sync_error,
             "weight_version": self.weight_version,
+            "node_id": _ray_node_id(),
         }
         if logger is not None:
             out.update(logger.current)

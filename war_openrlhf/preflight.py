@@ -1,0 +1,284 @@
+"""Preflight: does this node have what a war-train run needs? One line per check, with the fix.
+
+    python -m war_openrlhf.preflight [--skip-engine] [--json FILE]
+    war-train --preflight
+
+Run it on each node of a cluster before the first job. Checks, in order:
+
+``cuda``         torch's CUDA build against the driver: a device, and a kernel that runs on it
+``flash_attn``   flash-attn imports and its CUDA extension (``flash_attn_2_cuda``) loads
+``fused_adam``   DeepSpeed's fused Adam builds (or loads) and steps a tiny tensor
+``vllm``         vLLM imports, at the version the engine seams are written against
+``arctic``       arctic-inference's C++ suffix tree imports and answers a lookup
+``openrlhf``     OpenRLHF imports, at the version the trainer seams are written against
+``engine``       one engine on a tiny local model with WAR's speculation: greedy output
+                 with drafting on equals drafting off, and drafts were accepted
+``nccl``         an all-reduce over NCCL between two local GPUs (two GPUs or more)
+
+A check that cannot apply here (no GPU: ``cuda``, ``flash_attn``, ``fused_adam``, ``nccl``)
+is reported as skipped with the reason; the exit status is 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["Check", "run_preflight", "main"]
+
+SUPPORTED_VLLM = ("0.29.0",)
+
+
+@dataclass
+class Check:
+    """One preflight result: ``status`` is ``ok``, ``fail`` or ``skip``."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        mark = {"ok": "OK  ", "fail": "FAIL", "skip": "SKIP"}[self.status]
+        tail = f"  -> {self.fix}" if self.fix and self.status != "ok" else ""
+        return f"[{mark}] {self.name:<11} {self.detail}{tail}"
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def check_cuda() -> Check:
+    import torch
+
+    if torch.version.cuda is None:
+        return Check("cuda", "skip", f"torch {torch.__version__} is a CPU build: no CUDA here (a CPU run)")
+    if not torch.cuda.is_available():
+        return Check("cuda", "fail", f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU",
+                     "check `nvidia-smi`; the driver must support CUDA >= the runtime torch was built with")
+    x = torch.ones(256, device="cuda")
+    total = float((x * 2).sum().item())
+    if total != 512.0:
+        return Check("cuda", "fail", f"a kernel computed {total}, not 512", "reinstall torch for this driver")
+    props = torch.cuda.get_device_properties(0)
+    return Check("cuda", "ok", f"torch {torch.__version__}, CUDA runtime {torch.version.cuda}, "
+                               f"{torch.cuda.device_count()} x {props.name} (sm_{props.major}{props.minor})")
+
+
+def check_flash_attn() -> Check:
+    if not _gpus():
+        return Check("flash_attn", "skip", "no GPU: training uses SDPA (war_openrlhf.cpu's stand-in)")
+    try:
+        import flash_attn
+        import flash_attn_2_cuda  # noqa: F401 - the compiled kernels
+    except Exception as exc:  # noqa: BLE001
+        return Check("flash_attn", "fail", f"{type(exc).__name__}: {exc}",
+                     "pip install flash-attn==2.8.3 --no-build-isolation (built for this torch and CUDA), "
+                     "or a wheel from its releases page matching torch/CUDA/Python/cxx11abi")
+    return Check("flash_attn", "ok", f"flash-attn {flash_attn.__version__}, CUDA extension loaded")
+
+
+def check_fused_adam() -> Check:
+    if not _gpus():
+        return Check("fused_adam", "skip", "no GPU: the CPU run uses torch's Adam (no DeepSpeed op build)")
+    try:
+        import torch
+        from deepspeed.ops.adam import FusedAdam
+
+        p = torch.nn.Parameter(torch.ones(8, device="cuda"))
+        opt = FusedAdam([p], lr=0.1)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        moved = float((torch.ones(8, device="cuda") - p.detach()).abs().max().item())
+    except Exception as exc:  # noqa: BLE001
+        return Check("fused_adam", "fail", f"{type(exc).__name__}: {exc}",
+                     "DeepSpeed JIT-builds fused Adam with nvcc: install the CUDA toolkit matching "
+                     "torch.version.cuda, or pre-build with DS_BUILD_FUSED_ADAM=1 pip install deepspeed")
+    if not moved > 0:
+        return Check("fused_adam", "fail", "a step left the parameter unchanged", "reinstall deepspeed")
+    return Check("fused_adam", "ok", f"built/loaded, one step moved the parameter by {moved:.3f}")
+
+
+def check_vllm() -> Check:
+    try:
+        import vllm
+    except Exception as exc:  # noqa: BLE001
+        return Check("vllm", "fail", f"{type(exc).__name__}: {exc}", "bash scripts/install.sh")
+    if vllm.__version__.split("+")[0] not in SUPPORTED_VLLM:
+        return Check("vllm", "fail", f"vllm {vllm.__version__} installed; the engine seams are written for "
+                                     f"{', '.join(SUPPORTED_VLLM)}", f"pip install vllm=={SUPPORTED_VLLM[-1]}")
+    return Check("vllm", "ok", f"vllm {vllm.__version__}")
+
+
+def check_arctic() -> Check:
+    try:
+        import numpy as np
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        cache = SuffixDecodingCache(8, 4)
+        cache.start_request("r", np.array([1, 2, 3, 4, 5, 6], dtype=np.int32))
+        cache.add_active_response("r", np.array([7, 8, 9], dtype=np.int32))
+        draft = list(cache.speculate("r", np.array([1, 2, 3], dtype=np.int32), max_spec_tokens=3,
+                                     max_spec_factor=1.0, min_token_prob=0.0).token_ids)
+    except Exception as exc:  # noqa: BLE001
+        return Check("arctic", "fail", f"{type(exc).__name__}: {exc}",
+                     "pip install arctic-inference --no-deps (built against the installed torch)")
+    if not draft or draft != [4, 5, 6][: len(draft)]:
+        return Check("arctic", "fail", f"the suffix tree drafted {draft} after [1, 2, 3], not a prefix of [4, 5, 6]",
+                     "reinstall arctic-inference")
+    return Check("arctic", "ok", "arctic-inference suffix tree drafts the continuation it holds")
+
+
+def check_openrlhf() -> Check:
+    try:
+        from .integrations.openrlhf import check_openrlhf_version
+
+        version = check_openrlhf_version()
+    except Exception as exc:  # noqa: BLE001
+        return Check("openrlhf", "fail", f"{type(exc).__name__}: {exc}", "pip install openrlhf==0.11.2 --no-deps")
+    return Check("openrlhf", "ok", f"openrlhf {version}")
+
+
+def check_engine(workdir: Path) -> Check:
+    """Greedy with WAR's drafting on equals off, on one in-process engine and a tiny model."""
+    from .engine.rpc import EngineIndexClient, war_engine_kwargs
+    from .fixtures.tiny_model import build_tiny_model
+    from .speculation.log import CompletedSequenceLog
+    from .speculation.records import CompletedSequence
+
+    try:
+        from vllm import LLM, SamplingParams
+    except Exception as exc:  # noqa: BLE001
+        return Check("engine", "skip", f"vLLM does not import ({exc})", "fix the vllm check first")
+    cuda = bool(_gpus())
+    model = build_tiny_model(workdir / "war_tiny_model")
+    if not cuda:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    args = dict(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+                enable_prefix_caching=True, **war_engine_kwargs(num_speculative_tokens=8))
+    if cuda:
+        args["gpu_memory_utilization"] = 0.3
+    llm = LLM(**args)
+    try:
+        client = EngineIndexClient(llm)
+        client.install({})
+        prompts = [[5 + i, 9, 11 + i, 7, 3] for i in range(4)]
+        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+        def run() -> list[list[int]]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        client.set_speculation(False)
+        off = run()
+        log = CompletedSequenceLog()
+        for i, (p, out) in enumerate(zip(prompts, off)):
+            log.append(CompletedSequence.create(f"pre-{i}", "pre", 0, p, out))
+        client.sync(log)
+        client.set_speculation(True)
+        client.stats(reset=True)
+        on = run()
+        accepted = sum(client.stats(reset=True).get("accepted_tokens", {}).values())
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+    if on != off:
+        return Check("engine", "fail", "greedy output with speculation on differs from off",
+                     "report it with this node's vllm/torch versions; run with --war.engine.speculation off")
+    if accepted <= 0:
+        return Check("engine", "fail", "speculation on accepted no draft token of the index's exact copies",
+                     "check that the worker extension loaded (vLLM's log at start)")
+    return Check("engine", "ok", f"greedy on == off ({'GPU' if cuda else 'CPU'}), {accepted} draft tokens accepted")
+
+
+_NCCL_SCRIPT = """
+import os, torch, torch.distributed as dist, torch.multiprocessing as mp
+def worker(rank, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    x = torch.full((1024,), float(rank + 1), device="cuda")
+    dist.all_reduce(x)
+    assert float(x[0]) == 3.0, float(x[0])
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(worker, args=(port,), nprocs=2)
+    print("NCCL_OK")
+"""
+
+
+def check_nccl() -> Check:
+    n = _gpus()
+    if n < 2:
+        return Check("nccl", "skip", f"{n} GPU(s) here: the NCCL check needs two")
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _NCCL_SCRIPT], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 or "NCCL_OK" not in proc.stdout:
+        return Check("nccl", "fail", "all-reduce between GPU 0 and 1 failed: " + (proc.stderr.strip()[-300:]),
+                     "NCCL_DEBUG=INFO shows why; set NCCL_SOCKET_IFNAME / NCCL_P2P_DISABLE=1 as the log suggests")
+    return Check("nccl", "ok", "all-reduce between GPU 0 and GPU 1")
+
+
+def run_preflight(*, engine: bool = True, workdir: Path | None = None,
+                  echo: Callable[[str], None] | None = print) -> list[Check]:
+    """Every check, in order; a check that raises is a failure with its traceback's last line."""
+    workdir = Path(workdir or Path(tempfile.gettempdir()) / "war_preflight")
+    checks: list[tuple[str, Callable[[], Check]]] = [
+        ("cuda", check_cuda), ("flash_attn", check_flash_attn), ("fused_adam", check_fused_adam),
+        ("vllm", check_vllm), ("arctic", check_arctic), ("openrlhf", check_openrlhf),
+        ("engine", (lambda: check_engine(workdir)) if engine else
+         (lambda: Check("engine", "skip", "--skip-engine given"))),
+        ("nccl", check_nccl),
+    ]
+    results = []
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - one failing check never hides the others
+            last = traceback.format_exc().strip().splitlines()[-1]
+            result = Check(name, "fail", f"{type(exc).__name__}: {exc}"[:300] or last, "see the message")
+        result.seconds = round(time.perf_counter() - t0, 1)
+        results.append(result)
+        if echo:
+            echo(result.line())
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="war-train --preflight", description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-engine", action="store_true", help="skip the engine check (about a minute on CPU)")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    results = run_preflight(engine=not args.skip_engine)
+    failed = [r.name for r in results if r.status == "fail"]
+    skipped = [r.name for r in results if r.status == "skip"]
+    print(f"preflight: {len(results) - len(failed) - len(skipped)} ok, {len(skipped)} skipped"
+          f"{' (' + ', '.join(skipped) + ')' if skipped else ''}, {len(failed)} failed"
+          f"{' (' + ', '.join(failed) + ')' if failed else ''}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
