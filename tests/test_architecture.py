@@ -12,12 +12,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "war_openrlhf"
 ALLOWED: dict[str, set[str]] = {
     "config_checks": set(),
     "device": set(),
+    "model_source": set(),
     "metrics": set(),
     "speculation": {"config_checks"},
     "dispatch": {"config_checks"},
     "traces": {"config_checks"},
     "cpu": {"device"},
-    "engine": {"config_checks", "device", "cpu", "speculation"},
+    "engine": {"config_checks", "device", "cpu", "model_source", "speculation"},
     "simulation": {"config_checks", "dispatch", "speculation", "traces", "metrics"},
     "rollout": {"config_checks", "dispatch", "engine", "speculation"},
     "checks": {"engine", "speculation"},
@@ -25,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "baselines": {"config_checks", "cpu", "device", "dispatch", "engine", "rollout"},
     "training": {"engine", "rollout", "dispatch"},
     "integrations": {"cpu", "device", "engine", "rollout", "training"},
+    "preflight": {"engine", "fixtures", "integrations", "speculation"},
     "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",
-            "rollout", "speculation", "training"},
+            "model_source", "preflight", "rollout", "speculation", "training"},
 }
 
 

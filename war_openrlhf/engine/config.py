@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config_checks import check_int, dataclass_from_dict
+from ..model_source import ModelNotFound, resolve_model
 from ..speculation.index import SuffixIndexConfig
 from .spec_switch import SpecSwitchConfig
 
@@ -119,15 +120,11 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
 def check_startup(config: EngineConfig, *, cuda: bool, taken_cores: set[int] | None = None) -> None:
     """Raise ``ValueError`` naming the setting to change, before vLLM starts."""
     if not config.model:
-        raise ValueError("EngineConfig.model: no model given; pass a local model directory")
-    model_dir = Path(config.model)
-    if not model_dir.is_dir():
-        raise ValueError(
-            f"EngineConfig.model: '{config.model}' is not a directory; pass a local HF model directory "
-            "(war_openrlhf.fixtures.tiny_model.build_tiny_model makes a small one)"
-        )
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"EngineConfig.model: '{config.model}' has no config.json; is it a HF model directory?")
+        raise ValueError("EngineConfig.model: no model given; pass a local model directory or a hub id")
+    try:
+        model_dir = resolve_model(config.model)  # a hub id is fetched (config + tokenizer) once per node
+    except ModelNotFound as exc:
+        raise ValueError(f"EngineConfig.model: {exc}") from None
     if not cuda:
         if config.enable_sleep_mode:
             raise ValueError("EngineConfig.enable_sleep_mode: vLLM's sleep mode needs CUDA (its cumem allocator); "
