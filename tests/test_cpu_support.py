@@ -200,11 +200,13 @@ class _FakeWorker(SimpleNamespace):
 
 def test_cpu_worker_extension_receives_weights_over_gloo_and_reloads_them_at_the_last_one():
     """The trainer's side (rank 0, GlooBroadcastGroup as stateless_init_process_group
-    returns it) broadcasts two bf16 parameters as OpenRLHF's broadcast_to_vllm does
-    (empty_cache=True on the last); CpuWorkerWrap.update_weight receives them into CPU
-    tensors and hands both to vLLM's reload_weights once, after the last."""
+    returns it) broadcasts two parameters as OpenRLHF's broadcast_to_vllm does
+    (empty_cache=True on the last), one in float32 (the CPU trainer's dtype) and one in
+    bf16; CpuWorkerWrap.update_weight receives each in the dtype it was sent (another size
+    would hang the broadcast) and hands both, in the engine's bf16, to vLLM's reload_weights
+    once, after the last."""
     port = _free_port()
-    params = {"q": torch.randn(4, 6).to(torch.bfloat16), "k": torch.randn(3).to(torch.bfloat16)}
+    params = {"q": torch.randn(4, 6), "k": torch.randn(3).to(torch.bfloat16)}
     worker = _FakeWorker(model_config=SimpleNamespace(dtype=torch.bfloat16), _model_update_with_ray=False, reloads=[])
     after_first = []
 
@@ -215,7 +217,7 @@ def test_cpu_worker_extension_receives_weights_over_gloo_and_reloads_them_at_the
 
     def engine():
         worker._model_update_group = cpu.GlooBroadcastGroup("127.0.0.1", port, 1, 2)
-        cpu.CpuWorkerWrap.update_weight(worker, "q", torch.bfloat16, params["q"].shape, empty_cache=False)
+        cpu.CpuWorkerWrap.update_weight(worker, "q", torch.float32, params["q"].shape, empty_cache=False)
         after_first.append(len(worker.reloads))
         cpu.CpuWorkerWrap.update_weight(worker, "k", torch.bfloat16, params["k"].shape, empty_cache=True)
 
@@ -224,10 +226,9 @@ def test_cpu_worker_extension_receives_weights_over_gloo_and_reloads_them_at_the
     loaded, checkpoint_format = worker.reloads[0]
     assert checkpoint_format is True and [name for name, _ in loaded] == ["q", "k"]
     for name, tensor in loaded:
-        assert torch.equal(tensor, params[name]) and tensor.device.type == "cpu"
+        assert tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu"
+        assert torch.equal(tensor, params[name].to(torch.bfloat16))
     assert worker._war_pending_weights == []
-    with pytest.raises(ValueError, match=r"update_weight: 'w' arrives as torch.float32 .* --ds.param_dtype"):
-        cpu.CpuWorkerWrap.update_weight(worker, "w", torch.float32, (2,))
     with pytest.raises(RuntimeError, match="update_weight_cuda_ipc: CUDA IPC handles need CUDA"):
         cpu.CpuWorkerWrap.update_weight_cuda_ipc(worker, "w", torch.bfloat16, (2,))
     with pytest.raises(ValueError, match="GlooBroadcastGroup.rank: 3 is outside world_size=2"):

@@ -107,12 +107,10 @@ class CpuWorkerWrap:
             self._model_update_group = GlooBroadcastGroup(master_address, master_port, rank, world_size)
 
     def update_weight(self, name, dtype, shape, empty_cache=False):
-        if dtype != self.model_config.dtype:
-            raise ValueError(
-                f"CpuWorkerWrap.update_weight: '{name}' arrives as {dtype} but the engine runs {self.model_config.dtype}; "
-                "on CPU the trainer runs float32 (war_openrlhf.cpu: whatever --ds.param_dtype says), so set "
-                "war.engine.dtype: float32; on GPU make --ds.param_dtype match the engine dtype"
-            )
+        # Receive in the sender's dtype (a broadcast of another size would never complete and
+        # hang the trainer), then load in the engine's: on CPU the trainer runs float32
+        # (war_openrlhf.cpu, whatever --ds.param_dtype says) while an engine may run bfloat16,
+        # as OpenRLHF's own engines do.
         weight = torch.empty(shape, dtype=dtype, device="cpu")
         if self._model_update_with_ray:
             import ray.util.collective as collective
@@ -120,6 +118,8 @@ class CpuWorkerWrap:
             collective.broadcast(weight, 0, group_name=self._model_update_group)
         else:
             self._model_update_group.broadcast(weight, src=0)
+        if weight.dtype != self.model_config.dtype:
+            weight = weight.to(self.model_config.dtype)
         pending = self.__dict__.setdefault("_war_pending_weights", [])
         pending.append((name, weight))
         if empty_cache:  # the last parameter of this sync
