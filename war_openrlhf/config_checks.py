@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
@@ -98,8 +99,55 @@ def dataclass_from_dict(
             if not isinstance(value, str):
                 raise ValueError(f"{source}: key '{key}' must be str or null, got {value!r}")
         elif not _type_ok(value, getattr(defaults, key)):
-            raise ValueError(f"{source}: key '{key}' must be {_type_name(getattr(defaults, key))}, got {value!r}")
+            hint = ""
+            if isinstance(getattr(defaults, key), str) and isinstance(value, bool):
+                hint = " (YAML reads on/off/yes/no as booleans: quote the value, e.g. 'off')"
+            raise ValueError(f"{source}: key '{key}' must be {_type_name(getattr(defaults, key))}, got {value!r}{hint}")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{source}: key '{key}' must be a finite number, got {value!r}")
     try:
         return cls(**values)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
+
+
+def _no_alias_loader():
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        """YAML without aliases (``*name``): a config never needs them, and nested aliases
+        expand exponentially (a few hundred bytes can exhaust memory when the value is used)."""
+
+        def compose_node(self, parent, index):  # noqa: D401 - PyYAML's hook
+            if self.check_event(yaml.events.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in config files",
+                                                  event.start_mark)
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
+def load_yaml(path: str | Path, *, mapping: bool = True) -> Any:
+    """A config file's YAML; every problem is one ``ValueError`` line naming the file (and, for a
+    syntax error, line and column). ``mapping``: the document must be a mapping (an empty file is
+    ``{}``; ``0``, ``false`` or a list are errors, never silently the defaults)."""
+    import yaml
+
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        data = yaml.load(text, Loader=_no_alias_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"{path}{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: {str(exc).splitlines()[0]}") from None
+    if data is None and mapping:
+        return {}
+    if mapping and not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__} {str(data)[:40]!r}")
+    return data

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import yaml
 
+from .. import config_path
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # The demo's policy (tiny_policy.build_tiny_policy arguments): the arithmetic task only, at
@@ -112,7 +114,7 @@ def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_p
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "cpu_demo.yaml"))
+    ap.add_argument("--config", default=str(config_path("cpu_demo")))
     ap.add_argument("--out", default=str(ROOT / "runs" / "cpu_demo"),
                     help="run directory (TensorBoard logs, checkpoints, summary plot)")
     ap.add_argument("--seed", type=int, default=None, help="training seed (default: the config's train.seed)")

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..config_checks import load_yaml
 from ..integrations.openrlhf import refuse_openrlhf_owned
 from ..rollout import RolloutConfig
 
@@ -93,9 +94,7 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
                     raise ValueError(f"{tok}: needs a YAML file")
                 path = argv[i + 1]
                 i += 2
-            data = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(data, dict):
-                raise ValueError(f"{path}: expected a mapping with 'openrlhf' and/or 'war' sections")
+            data = load_yaml(path)  # one line naming file, line and column on a syntax error
             if tok.startswith("--config"):
                 unknown = sorted(set(data) - {"openrlhf", "war"})
                 if unknown:
@@ -215,6 +214,45 @@ def _ray_address(argv: list[str]) -> tuple[str | None, list[str]]:
     return address, rest
 
 
+_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
+
+
+def check_before_start(config: RolloutConfig, args: Any) -> RolloutConfig:
+    """Everything that can be checked before Ray starts, against OpenRLHF's parsed arguments:
+    the model resolves (local directory or hub id), the agent file exists and defines an agent,
+    local dataset files exist, the merged WAR settings and the dispatcher's options are valid.
+    Returns the merged settings; raises ``ValueError`` naming the argument or key."""
+    from ..dispatch import make_policy
+    from ..integrations.openrlhf import merge_openrlhf_args
+    from ..model_source import ModelNotFound, resolve_model
+    from ..rollout import load_agent_class
+
+    try:
+        resolve_model(args.actor.model_name_or_path)
+    except ModelNotFound as exc:
+        raise ValueError(f"--actor.model_name_or_path: {exc}") from None
+    agent = getattr(args.train, "agent_func_path", None)
+    if agent:
+        if not Path(agent).is_file():
+            raise ValueError(f"--train.agent_func_path: {agent} does not exist")
+        try:
+            load_agent_class(agent)
+        except Exception as exc:  # noqa: BLE001 - the user's file: say what went wrong in it
+            raise ValueError(f"--train.agent_func_path: {agent}: {type(exc).__name__}: {exc}") from None
+    for flag, value in (("--data.prompt_dataset", getattr(args.data, "prompt_dataset", None)),
+                        ("--eval.dataset", getattr(getattr(args, "eval", None), "dataset", None))):
+        for item in str(value or "").split(","):
+            item = item.strip()
+            if item and item.lower().endswith(_DATA_SUFFIXES) and not Path(item).exists():
+                raise ValueError(f"{flag}: {item} does not exist")
+    merged = merge_openrlhf_args(config, args)
+    try:
+        make_policy(merged.dispatch_policy, merged.num_engines, **merged.dispatch_kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"war.dispatch_kwargs ({merged.dispatch_policy}): {exc}") from None
+    return merged
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--preflight":  # checks of this node, nothing started
@@ -222,15 +260,33 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(preflight(argv[1:]))
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        from .options_help import war_help
+
+        print(war_help())
         if not argv:
             raise SystemExit(2)
+        print("\nOpenRLHF's train_ppo_ray arguments (every one accepted by war-train, unchanged):\n")
+        _apply_cpu_support_for_import()
+        from ..integrations.openrlhf import parse_openrlhf_args
+
+        try:
+            parse_openrlhf_args(["--help"])  # argparse prints them and exits 0
+        except SystemExit as exc:
+            if exc.code not in (0, None):
+                raise
         return
     try:
         address, argv = _ray_address(argv)
         war, openrlhf_args = parse_argv(argv)
         config = rollout_config(war)
     except (ValueError, OSError) as exc:
+        raise SystemExit(f"war-train: {exc}") from None
+    _apply_cpu_support_for_import()
+    from ..integrations.openrlhf import parse_openrlhf_args
+
+    try:  # OpenRLHF's own parser and checks, then WAR's, all before Ray starts
+        check_before_start(config, parse_openrlhf_args(openrlhf_args))
+    except ValueError as exc:
         raise SystemExit(f"war-train: {exc}") from None
     device = _ray_init(address)
     print(f"war-train: Ray {'cluster at ' + address if address else 'started here'}, device {device} "
@@ -239,6 +295,16 @@ def main(argv: list[str] | None = None) -> None:
     from ..integrations.openrlhf import run_train_ppo_ray
 
     run_train_ppo_ray(config, openrlhf_args)
+
+
+def _apply_cpu_support_for_import() -> None:
+    """Importing OpenRLHF on a machine without CUDA needs the CPU stand-ins (flash-attn)."""
+    from ..device import cuda_available
+
+    if not cuda_available():
+        from .. import cpu
+
+        cpu.apply_cpu_support()
 
 
 if __name__ == "__main__":

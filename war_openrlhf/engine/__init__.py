@@ -11,3 +11,8 @@ switches on and off with measured load.
 - :mod:`engine`: :class:`WarEngine`, one async vLLM engine (also OpenRLHF's rollout-actor surface).
 - :mod:`actors`: :func:`create_war_engines`, the Ray actors.
 """
+
+from .config import EngineConfig, check_startup
+from .spec_switch import SpecSwitchConfig
+
+__all__ = ["EngineConfig", "SpecSwitchConfig", "check_startup"]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config_checks import check_int, dataclass_from_dict
+from ..config_checks import check_int, dataclass_from_dict, load_yaml
 from ..model_source import ModelNotFound, resolve_model
 from ..speculation.index import SuffixIndexConfig
 from .spec_switch import SpecSwitchConfig
@@ -94,10 +94,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "EngineConfig":
-        import yaml
-
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+        data = load_yaml(path)
         return cls.from_dict({**data, **overrides}, source=str(path))
 
     def as_dict(self) -> dict[str, Any]:

