@@ -175,7 +175,8 @@ def test_every_create_vllm_engines_argument_is_honoured_or_refused():
     args = vllm_engine_kwargs(cfg, cuda=True)
     assert args["logprobs_mode"] == "processed_logprobs" and args["max_logprobs"] == 1
     with pytest.raises(ValueError, match="remote reward model is not supported"):
-        _settings(remote_rm_url="http://rm")
+        _settings(remote_rm_url=["http://rm"])
+    assert _settings(remote_rm_url=["agent"]).model == "/m"  # what OpenRLHF sets for an agent file
     with pytest.raises(ValueError, match="vision-language rollouts are not supported"):
         _settings(max_images_per_prompt=2)
     with pytest.raises(ValueError, match="logprobs_mode: 'bogus'"):

@@ -211,7 +211,8 @@ def engine_settings(config: RolloutConfig, *, pretrain: str, seed: int, max_mode
     """The WAR engines' :class:`EngineConfig` from what ``train_ppo_ray`` hands
     ``create_vllm_engines`` (OpenRLHF 0.11.2, ``trainer/ray/vllm_engine.py`` lines 209-225):
     every argument is honoured or refused here, none is dropped."""
-    if remote_rm_url:
+    if remote_rm_url and [str(u) for u in ([remote_rm_url] if isinstance(remote_rm_url, str) else remote_rm_url)] != ["agent"]:
+        # OpenRLHF sets remote_url "agent" itself when --train.agent_func_path is given
         raise ValueError(f"--reward.remote_url {remote_rm_url!r}: WAR rollouts are multi-turn episodes whose "
                          "reward comes from the agent file (--train.agent_func_path); a remote reward model "
                          "is not supported")
