@@ -712,3 +712,82 @@ def test_openrlhf_executor_runs_the_agent(task, shop):
     assert transcript.startswith(row["prompt"])
     assert transcript[len(row["prompt"]):].count("<tool_response>") == len(actions) - 1
     assert engine.prompts[-1].endswith("</tool_response>\n")
+
+
+# ---------------------------------------------------------------------- hostile actions and queries
+def _calc_tools():
+    return calc.TOOLS if hasattr(calc, "TOOLS") else AGENTS["arithmetic_calculator"].TOOLS
+
+
+def test_a_4301_digit_integer_in_a_tool_call_is_an_error_observation():
+    out = protocol.handle_action(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": ' + "9" * 4301 + "}}</tool_call>",
+        _calc_tools())
+    assert out.kind == "error" and "Python cannot read" in out.feedback
+
+
+def test_several_tool_calls_in_one_turn_are_refused_and_none_runs():
+    ran = []
+    tool = protocol.Tool("probe", "records calls", (protocol.Param("x", str, "x"),), fn=lambda x: ran.append(x) or x)
+    out = protocol.handle_action(tool_call("probe", x="1") + tool_call("probe", x="2"), [tool])
+    assert out.kind == "error" and "2 tool calls in one turn" in out.feedback and ran == []
+    # inside <think> a call is reasoning, not an action
+    out = protocol.handle_action("<think>" + tool_call("probe", x="0") + "</think>" + tool_call("probe", x="1"), [tool])
+    assert out.kind == "tool" and ran == ["1"]
+
+
+def test_an_answer_counts_only_outside_think_and_tool_calls():
+    tool = protocol.Tool("echo", "echo", (protocol.Param("x", str, "x"),), fn=lambda x: x)
+    assert protocol.handle_action("<think>it is <answer>3</answer></think>", [tool]).kind == "none"
+    out = protocol.handle_action(tool_call("echo", x="<answer>4</answer>"), [tool])
+    assert out.kind == "tool" and "<answer>4</answer>" in out.feedback
+    assert protocol.handle_action("<think>hmm</think><answer>5</answer>", [tool]).answer == "5"
+    assert protocol.handle_action("<think>unclosed <answer>6</answer>", [tool]).kind == "none"
+
+
+_PIECES = st.sampled_from(list('<>/{}":,[] abc0123456789') + [
+    "<tool_call>", "</tool_call>", "<answer>", "</answer>", "<think>", "</think>", '"name"', '"arguments"',
+    '"calculator"', '"expression"', "9" * 5000, "1e999", "\\u0000"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_PIECES, max_size=40).map("".join))
+def test_handle_action_never_raises(text):
+    out = protocol.handle_action(text, _calc_tools())
+    assert out.kind in ("answer", "tool", "error", "none")
+
+
+def test_sql_authorizer_refuses_every_write_and_attach_by_itself():
+    """The authorizer alone (a writable in-memory connection, not the read-only file) refuses
+    what the read-only connection would also refuse, so removing it fails this test."""
+    conn = sqlite3.connect(":memory:")
+    conn.execute("CREATE TABLE t (x)")
+    conn.execute("INSERT INTO t VALUES (1)")
+    conn.set_authorizer(sql_tool._authorizer)
+    for stmt in ("CREATE TEMP TABLE u (x)", "INSERT INTO t VALUES (2)", "DELETE FROM t", "UPDATE t SET x = 3",
+                 "DROP TABLE t", "ATTACH ':memory:' AS other", "PRAGMA writable_schema = 1",
+                 "CREATE TEMP VIEW v AS SELECT 1"):
+        with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+            conn.execute(stmt)
+    assert conn.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    assert conn.execute("WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 3) "
+                        "SELECT sum(i) FROM r").fetchone() == (6,)
+
+
+def test_a_slow_query_is_stopped_by_the_wall_clock_deadline(tmp_path):
+    import time
+
+    db = shop_db.build_database(tmp_path / "shop.sqlite", seed=0)
+    t0 = time.monotonic()
+    with pytest.raises(sql_tool.SqlToolError, match="ran too long"):
+        sql_tool.run_query(db, "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r) "
+                               "SELECT count(length(randomblob(999999))) FROM r")
+    assert time.monotonic() - t0 < sql_tool.MAX_QUERY_SECONDS + 3.0
+    # a large sort of random blobs stays in memory (no temp files) and inside the deadline
+    t0 = time.monotonic()
+    try:
+        sql_tool.run_query(db, "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r LIMIT 3000) "
+                               "SELECT length(randomblob(99999)) AS n FROM r ORDER BY randomblob(99999)")
+    except sql_tool.SqlToolError as exc:
+        assert "too long" in str(exc) or "too much memory" in str(exc)
+    assert time.monotonic() - t0 < sql_tool.MAX_QUERY_SECONDS + 3.0

@@ -123,9 +123,17 @@ def test_two_grpo_steps_through_openrlhfs_trainer(trained_run):
             tags[t] = [e.value for e in acc.Scalars(t)]
     for t in ("war/rollout_tokens_per_s", "war/speculating_fraction", "war/prefix_hit_rate_engine",
               "war/spec_acceptance_rate", "war/engine0_turns", "war/reward_mean", "war/episode_turns_mean",
-              "train/timing/generation", "train/timing/ppo_train", "train/timing/broadcast"):
+              "war/engine0_speculating_fraction", "war/engine0_switch_speculating", "war/turn_generate_s_mean",
+              "war/turn_tool_s_mean", "war/index_records", "war/index_sync_lag_records", "war/dispatch_moves"):
+        # one place per scalar: logged by OpenRLHF's trainer at its global step, nowhere else
+        assert f"train/{t}" in tags and len(tags[f"train/{t}"]) == 2, t
+        assert t not in tags, f"{t} logged twice"
+    for t in ("train/timing/generation", "train/timing/ppo_train", "train/timing/broadcast"):
         assert t in tags and len(tags[t]) == 2, t
-    assert all(v > 0 for v in tags["war/rollout_tokens_per_s"])
+    assert all(v > 0 for v in tags["train/war/rollout_tokens_per_s"])
+    # per batch, not since engine start: a fraction of this batch's steps
+    assert all(0.0 <= v <= 1.0 for v in tags["train/war/speculating_fraction"])
+    assert tags["train/war/index_records"][1] >= tags["train/war/index_records"][0] > 0
     assert (tmp / "model" / "config.json").is_file()
 
 
@@ -156,7 +164,7 @@ def test_tensorboard_serves_the_runs_scalars_over_http(trained_run):
             try:
                 with urllib.request.urlopen(f"{base}/tags", timeout=5) as r:
                     tags = json.loads(r.read())
-                if any(t.startswith("war/") for run in tags.values() for t in run):
+                if any(t.startswith("train/war/") for run in tags.values() for t in run):
                     break
             except OSError:
                 pass
@@ -165,15 +173,15 @@ def test_tensorboard_serves_the_runs_scalars_over_http(trained_run):
         assert tags, "tensorboard never answered"
         found = {}
         for run, run_tags in tags.items():
-            for tag in ("war/reward_mean", "war/rollout_tokens_per_s", "train/timing/generation"):
+            for tag in ("train/war/reward_mean", "train/war/rollout_tokens_per_s", "train/timing/generation"):
                 if tag in run_tags:
                     q = urllib.parse.urlencode({"run": run, "tag": tag})
                     with urllib.request.urlopen(f"{base}/scalars?{q}", timeout=10) as r:
                         found[tag] = json.loads(r.read())  # [[wall_time, step, value], ...]
-        for tag in ("war/reward_mean", "war/rollout_tokens_per_s", "train/timing/generation"):
+        for tag in ("train/war/reward_mean", "train/war/rollout_tokens_per_s", "train/timing/generation"):
             assert tag in found and len(found[tag]) == 2, (tag, sorted(found))
             assert [p[1] for p in found[tag]] == sorted(p[1] for p in found[tag])
-        assert all(p[2] > 0 for p in found["war/rollout_tokens_per_s"])
+        assert all(p[2] > 0 for p in found["train/war/rollout_tokens_per_s"])
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -211,7 +219,7 @@ def test_rollouts_after_step_one_come_from_the_updated_weights(trained_run):
 
 def test_async_trainer_runs_with_the_war_pool(tmp_path):
     """--train.async_enable: OpenRLHF's PPOTrainerAsync, its rollout actor's samples generator
-    replaced by the WAR pool (the generator logs its own war/ scalars)."""
+    replaced by the WAR pool; its scalars reach the trainer's logger with the samples."""
     from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
     model = build_tiny_model(MODEL_DIR)
@@ -231,10 +239,13 @@ def test_async_trainer_runs_with_the_war_pool(tmp_path):
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    war_events = list((tmp_path / "tb").rglob("war/events.out.tfevents.*"))
-    assert war_events, "the WAR generator wrote no scalars"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(war_events[0]))
-    acc.Reload()
-    assert len(acc.Scalars("war/rollout_tokens_per_s")) == 2
+    tags = {}
+    for f in (tmp_path / "tb").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for t in acc.Tags()["scalars"]:
+            tags[t] = [e.value for e in acc.Scalars(t)]
+    assert len(tags.get("train/war/rollout_tokens_per_s", [])) == 2, sorted(tags)
+    assert not any(t.startswith("war/") for t in tags), "WAR scalars logged outside the trainer's logger"

@@ -4,7 +4,10 @@ A model turn calls a tool by writing::
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "2 * (3 + 4)"}}</tool_call>
 
-and ends the episode with ``<answer>...</answer>``. The environment replies to every
+and ends the episode with ``<answer>...</answer>``. One tool call per turn: a turn with
+several is refused with an error observation (none of them runs). Text inside
+``<think>...</think>`` is reasoning, never an action, and an ``<answer>`` tag counts only
+outside ``<think>`` and outside tool calls. The environment replies to every
 non-final turn with text wrapped in ``<tool_response>...</tool_response>``: the tool's
 output, or an ``Error: ...`` line that names what was wrong, so a policy can recover
 instead of the rollout crashing.
@@ -23,6 +26,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 ANSWER_OPEN = "<answer>"
@@ -115,15 +120,42 @@ def _tag_body(text: str, open_tag: str, close_tag: str) -> str | None:
     return text[start:] if end < 0 else text[start:end]
 
 
+def _without(text: str, open_tag: str, close_tag: str) -> str:
+    """``text`` with every ``open_tag ... close_tag`` span removed (an unclosed one runs to the end)."""
+    out, pos = [], 0
+    while True:
+        start = text.find(open_tag, pos)
+        if start < 0:
+            out.append(text[pos:])
+            return "".join(out)
+        out.append(text[pos:start])
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            return "".join(out)
+        pos = end + len(close_tag)
+
+
+def visible_action(text: str) -> str:
+    """The part of a turn that acts: without its ``<think>`` spans."""
+    return _without(text, THINK_OPEN, THINK_CLOSE)
+
+
 def extract_answer(text: str) -> str | None:
-    """The stripped text inside the first ``<answer>`` tag, or None when there is none."""
-    body = _tag_body(text, ANSWER_OPEN, ANSWER_CLOSE)
+    """The stripped text inside the first ``<answer>`` tag outside ``<think>`` and outside tool
+    calls, or None when there is none."""
+    outside = _without(visible_action(text), TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    body = _tag_body(outside, ANSWER_OPEN, ANSWER_CLOSE)
     return None if body is None else body.strip()
 
 
 def extract_tool_call(text: str) -> str | None:
-    """The raw body of the first ``<tool_call>`` tag, or None when there is none."""
-    return _tag_body(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    """The raw body of the first ``<tool_call>`` tag outside ``<think>``, or None when there is none."""
+    return _tag_body(visible_action(text), TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+
+
+def count_tool_calls(text: str) -> int:
+    """How many ``<tool_call>`` tags the turn has outside ``<think>``."""
+    return visible_action(text).count(TOOL_CALL_OPEN)
 
 
 def _type_name(value: Any) -> str:
@@ -147,6 +179,8 @@ def parse_tool_call(raw: str, tools: Mapping[str, Tool]) -> ToolCall:
         ) from None
     except RecursionError:
         raise ToolCallError("the tool call JSON is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4,300 digits (Python's int limit)
+        raise ToolCallError(f"the tool call JSON has a value Python cannot read ({str(exc)[:120]})") from None
     if not isinstance(payload, dict):
         raise ToolCallError(f"the tool call must be a JSON object, got {_type_name(payload)}")
     name = payload.get("name")
@@ -197,13 +231,27 @@ def wrap_response(text: str) -> str:
 def handle_action(action_text: str, tools: Sequence[Tool] | Mapping[str, Tool]) -> ActionOutcome:
     """Interpret one model turn: answer, tool call (run it), malformed call, or neither.
 
-    Never raises: every failure becomes an ``Error: ...`` observation.
+    Never raises: every failure (of the call, of the tool, of this function) becomes an
+    ``Error: ...`` observation.
     """
+    try:
+        return _handle_action(action_text, tools)
+    except Exception as exc:  # noqa: BLE001 - the contract: an observation, never an exception
+        return ActionOutcome(kind="error", feedback=wrap_response(f"Error: the turn could not be handled "
+                                                                  f"({type(exc).__name__}: {str(exc)[:200]})"))
+
+
+def _handle_action(action_text: str, tools: Sequence[Tool] | Mapping[str, Tool]) -> ActionOutcome:
     by_name = tools if isinstance(tools, Mapping) else {t.name: t for t in tools}
     answer = extract_answer(action_text)
     if answer is not None:
         return ActionOutcome(kind="answer", answer=answer)
 
+    calls = count_tool_calls(action_text)
+    if calls > 1:
+        return ActionOutcome(kind="error", feedback=wrap_response(
+            f"Error: {calls} tool calls in one turn; make one call per turn and wait for its result "
+            "(none of them was run)"))
     raw = extract_tool_call(action_text)
     if raw is None:
         example = next(iter(by_name.values()), None)

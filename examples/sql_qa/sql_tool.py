@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 import sys
 from pathlib import Path
 
@@ -33,6 +34,13 @@ MAX_CELL_CHARS = 100
 MAX_VM_STEPS = 5_000_000
 PROGRESS_PERIOD = 1000
 MAX_VALUE_BYTES = 1_000_000
+# Wall-clock bound of one query (checked with the VM steps): VM steps alone let a query whose
+# steps are slow (a recursive CTE making megabyte blobs) run for minutes.
+MAX_QUERY_SECONDS = 2.0
+# Sorts and temporary tables stay in memory (never temp files on disk), bounded by SQLite's
+# heap limit. The hard heap limit is per process (sqlite3_hard_heap_limit64): the example
+# agents run in rollout actor processes where this tool is SQLite's only user.
+HARD_HEAP_LIMIT_BYTES = 512 * 2**20
 
 # Keywords that only occur in statements that write, change the schema or the
 # connection; refused wherever they appear outside string literals and comments.
@@ -155,14 +163,18 @@ def connect_read_only(db_path: str | Path) -> sqlite3.Connection:
     if not path.is_file():
         raise SqlToolError(f"database file not found: {path} (generate it with examples/sql_qa/dataset.py)")
     conn = sqlite3.connect(path.as_uri() + "?mode=ro", uri=True, timeout=5.0)
+    conn.execute("PRAGMA temp_store = MEMORY")  # before the authorizer, which refuses PRAGMA
+    conn.execute(f"PRAGMA hard_heap_limit = {HARD_HEAP_LIMIT_BYTES}")
     conn.set_authorizer(_authorizer)
     if hasattr(conn, "setlimit"):  # Python >= 3.11
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
     steps = {"n": 0}
+    deadline = time.monotonic() + MAX_QUERY_SECONDS
 
     def _progress() -> int:
         steps["n"] += PROGRESS_PERIOD
-        return 1 if steps["n"] > MAX_VM_STEPS else 0  # non-zero interrupts the query
+        # non-zero interrupts the query
+        return 1 if steps["n"] > MAX_VM_STEPS or time.monotonic() > deadline else 0
 
     conn.set_progress_handler(_progress, PROGRESS_PERIOD)
     return conn
@@ -180,6 +192,8 @@ def run_query(db_path: str | Path, query: str, max_rows: int = MAX_ROWS) -> str:
         message = str(exc)
         if message == "interrupted":
             raise SqlToolError("the query ran too long and was stopped; simplify it") from None
+        if "out of memory" in message:
+            raise SqlToolError("the query needed too much memory and was stopped; simplify it") from None
         if "not authorized" in message:
             raise SqlToolError("the query was refused: only reading the database is allowed") from None
         raise SqlToolError(f"SQL error: {message}") from None

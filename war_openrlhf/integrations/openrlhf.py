@@ -272,11 +272,6 @@ def _sync_trainer_cls(config: RolloutConfig):
                              reference_model_group, vllm_engines, **generate_kwargs)
             self.samples_generator = _war_samples_generator(self, strategy, vllm_engines, config)
 
-        def train_step(self, rollout_samples, global_step: int):
-            status, step = super().train_step(rollout_samples, global_step)
-            status.update(self.samples_generator.metrics)  # -> TensorBoard train/war/...
-            return status, step
-
         def broadcast_to_vllm(self) -> None:
             super().broadcast_to_vllm()
             # prefix caches dropped, engines' weight version advanced (the one hook of both trainers)

@@ -3,7 +3,7 @@
 Used by ``tools/plot_run.py`` and by the CPU demo (:mod:`war_openrlhf.cli.cpu_demo`).
 
 Reads every event file under ``--logdir`` (OpenRLHF's ``train/...`` scalars and the WAR
-rollout scalars ``war/...``), plots rewards, rollout throughput, speculation, prefix-cache
+rollout scalars, logged as ``train/war/...`` and read here as ``war/...``), plots rewards, rollout throughput, speculation, prefix-cache
 hits, per-engine load and the step-time split, and prints the summary table.
 """
 
@@ -35,7 +35,8 @@ def load_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
         acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags().get("scalars", []):
-            series = out.setdefault(tag, [])
+            # WAR's scalars are logged by OpenRLHF's trainer as train/war/...: read as war/...
+            series = out.setdefault(tag[len("train/"):] if tag.startswith("train/war/") else tag, [])
             series.extend((e.step, e.value) for e in acc.Scalars(tag))
     for tag in out:
         out[tag].sort()

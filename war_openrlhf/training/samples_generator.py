@@ -11,9 +11,12 @@ load-aware speculation) instead of whole prompts to engine actors running
 OpenRLHF's own conversion (:func:`~war_openrlhf.rollout.to_experiences`).
 
 ``metrics`` holds the last rollout's figures (throughput, speculation, cache, per-engine
-load, rewards, episode lengths). They are written to TensorBoard by the generator itself
-(``<tensorboard_dir>/<run_name>/war``, one point per rollout batch), so the sync and the
-async trainer log them alike, and the sync trainer also merges them into its step log.
+load and switch decisions, dispatcher moves and waits, per-turn time split, index size and
+log lag, rewards, episode lengths), each a value of that batch alone. They travel with the
+samples: every ``Experience`` of the batch carries them in its ``info``, which OpenRLHF
+averages into the step's status, so they are logged once, at the trainer's global step, as
+``train/war/...`` in every logger OpenRLHF drives (TensorBoard and wandb), by the sync and
+the async trainer alike.
 """
 
 from __future__ import annotations
@@ -27,8 +30,15 @@ from ..engine.stats import EngineStats
 from ..rollout import RolloutConfig, RolloutPool, to_experiences
 
 
-def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after: list[EngineStats]) -> dict[str, float]:
-    """Scalars for one rollout batch (names as they appear in TensorBoard under train/)."""
+#: The dispatcher's counters that run since its start: reported per batch (differenced).
+_CUMULATIVE_DISPATCH = ("moves", "deferrals")
+
+
+def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after: list[EngineStats],
+                    policy_before: dict[str, float] | None = None) -> dict[str, float]:
+    """Scalars for one rollout batch (names as they appear in TensorBoard under train/), each
+    a figure of this batch alone. ``policy_before``: the dispatcher's ``metrics()`` at the
+    batch's start (its running counters are differenced)."""
     m: dict[str, float] = {
         "war/rollout_tokens_per_s": result.tokens_per_s,
         "war/rollout_wall_s": result.wall_s,
@@ -64,16 +74,45 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
                                      if tot["spec_draft_tokens"] else 0.0)
     m["war/tokens_per_verification_step"] = (1.0 + tot["spec_accepted_tokens"] / tot["spec_drafts"]
                                              if tot["spec_drafts"] else 1.0)
-    fr = [s.spec_step_fraction for s in after if s.spec_step_fraction is not None]
-    m["war/speculating_fraction"] = float(np.mean(fr)) if fr else 0.0
+    # this batch's share of engine steps that drafted (the switch's counters, differenced)
+    spec_steps = steps = 0
+    for i, (b, a) in enumerate(zip(before, after)):
+        sw_b, sw_a = (b.war.get("switch") or {}), (a.war.get("switch") or {})
+        if "steps" in sw_a:
+            d_steps = int(sw_a.get("steps", 0)) - int(sw_b.get("steps", 0))
+            d_spec = int(sw_a.get("spec_steps", 0)) - int(sw_b.get("spec_steps", 0))
+            steps, spec_steps = steps + d_steps, spec_steps + d_spec
+            m[f"war/engine{i}_speculating_fraction"] = d_spec / d_steps if d_steps else 0.0
+            # the switch's decision and the gain it measured (what switch.threshold is compared with)
+            m[f"war/engine{i}_switch_speculating"] = float(bool(sw_a.get("speculating")))
+            if sw_a.get("expected_gain") is not None:
+                m[f"war/engine{i}_switch_expected_gain"] = float(sw_a["expected_gain"])
+            m[f"war/engine{i}_switch_decisions"] = float(int(sw_a.get("decisions", 0)) - int(sw_b.get("decisions", 0)))
+    m["war/speculating_fraction"] = spec_steps / steps if steps else 0.0
+    # where a turn's time went, per turn: waiting for an engine slot (dispatch to first
+    # token is inside generate), generating, and in the environment
+    turns = [r for t in result.trajectories for r in t.turns]
+    if turns:
+        m["war/turn_generate_s_mean"] = float(np.mean([r.generate_s for r in turns]))
+        m["war/turn_tool_s_mean"] = float(np.mean([r.tool_s for r in turns]))
+        m["war/turn_attempts_mean"] = float(np.mean([r.attempts for r in turns]))
     for i, n in enumerate(result.engine_turns):
         m[f"war/engine{i}_turns"] = float(n)
     for i, s in enumerate(after):
         m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
     m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
+    m["war/index_sync_lag_records"] = float(sum(s.sync_lag_records for s in after))
+    index = [(s.war.get("index") or {}) for s in after]
+    for key, name in (("records", "index_records"), ("indexed_tokens", "index_tokens"),
+                      ("records_evicted", "index_records_evicted")):
+        vals = [ix.get(key) for ix in index if isinstance(ix.get(key), (int, float))]
+        if vals:
+            m[f"war/{name}"] = float(max(vals))  # replicas agree; the largest is the furthest along
     # what the dispatcher measured and decided (war: moves, deferrals, prefix reuse lost,
     # fitted rates), so a user sees why it placed turns where it did
     for k, v in pool.policy.metrics().items():
+        if k in _CUMULATIVE_DISPATCH and policy_before is not None:
+            v = v - policy_before.get(k, 0.0)
         m[f"war/dispatch_{k}"] = float(v)
     # what drafting costs each engine step (the replica's step trace): the budget a user tunes
     # with the index's apply_budget_ms / max_spec_factor, and the log backlog it leaves
@@ -86,6 +125,18 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     if any(p is not None for p in pending):
         m["war/index_pending_entries"] = float(sum(p or 0 for p in pending))
     return m
+
+
+def attach_metrics(experiences: list, metrics: dict[str, float]) -> list:
+    """Put the batch's scalars in every experience's ``info`` (one value per sample, the same
+    for all): OpenRLHF averages ``info`` into the step status, so they reach every logger it
+    drives, in the sync and the async trainer, once per step."""
+    import torch
+
+    for e in experiences:
+        for k, v in metrics.items():
+            e.info[k] = torch.tensor([float(v)])
+    return experiences
 
 
 def run_coroutine(coro):
@@ -118,15 +169,8 @@ class WarSamplesGenerator:
         self.metrics: dict[str, float] = {}
         self._sample_buffer: list = []
         self._dataloader_iter = None
-        self._writer = None
         self._batches = 0
-        tb = getattr(getattr(self.args, "logger", None), "tensorboard_dir", None)
-        if tb:
-            import os
-
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=os.path.join(tb, self.args.logger.wandb.run_name, "war"))
+        self._pending_metrics: dict[str, float] = {}  # reported with the next batch (warm-up)
 
     def warm_up(self) -> float | None:
         """The pool's warm-up on the first training prompt (``RolloutConfig.warm_up``), before
@@ -138,17 +182,8 @@ class WarSamplesGenerator:
             return None
         _source, prompt, label, _image = dataset[0]
         seconds = run_coroutine(self.pool.warm_up_async(prompt, label))
-        if self._writer is not None:
-            self._writer.add_scalar("war/warm_up_s", seconds, 0)
-            self._writer.flush()
+        self._pending_metrics["war/warm_up_s"] = float(seconds)
         return seconds
-
-    def _log(self) -> None:
-        self._batches += 1
-        if self._writer is not None:
-            for k, v in self.metrics.items():
-                self._writer.add_scalar(k, v, self._batches)
-            self._writer.flush()
 
     def _rollout(self, prompts, labels, **generate_kwargs) -> list:
         cfg = self.pool.config
@@ -159,16 +194,19 @@ class WarSamplesGenerator:
             cfg.top_p = float(generate_kwargs["top_p"])
         async def run():
             before = await self.pool.engine_stats()
+            policy_before = dict(self.pool.policy.metrics())
             res = await self.pool.run_batch_async(prompts, labels, n_samples_per_prompt=n)
-            return res, before
+            return res, before, policy_before
 
-        res, before = run_coroutine(run())
-        self.metrics = rollout_metrics(res, self.pool, before, res.engine_stats)
-        self._log()
+        res, before, policy_before = run_coroutine(run())
+        self._batches += 1
+        self.metrics = {**self._pending_metrics,
+                        **rollout_metrics(res, self.pool, before, res.engine_stats, policy_before)}
+        self._pending_metrics = {}
         if cfg.dump_dir:
             self._dump(res.trajectories)
         max_len = int(generate_kwargs.get("max_len", cfg.max_context_tokens))
-        return to_experiences(res.trajectories, max_len=max_len), n
+        return attach_metrics(to_experiences(res.trajectories, max_len=max_len), self.metrics), n
 
     def _dump(self, trajectories) -> None:
         """One JSONL file per rollout batch: every trajectory with its tokens, mask, logprobs,
@@ -207,12 +245,10 @@ class WarSamplesGenerator:
             prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, gen_batch)
             consumed = len(prompts)
             if prompts:
-                t0 = time.time()
                 exps, n = self._rollout(prompts, labels, **generate_kwargs)
                 kept = self._filtered(exps, n)
                 if self.args.algo.dynamic_filtering_enable and consumed:
                     pass_rate = len(kept) / max(len(exps), 1) * 100
-                self.metrics["war/generate_samples_s"] = time.time() - t0
                 self._sample_buffer.extend(kept)
             if exhausted:
                 self._dataloader_iter = None
