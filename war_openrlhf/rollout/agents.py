@@ -21,6 +21,7 @@ applies. :func:`turn_limits` validates them.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -71,36 +72,61 @@ def load_agent_class(agent_func_path: str | Path) -> type:
     return cls
 
 
-def _scalar(value: Any, key: str) -> float:
+class AgentContractError(ValueError):
+    """The agent's ``reset`` / ``step`` returned something outside OpenRLHF's contract: the
+    agent file's bug, never a tool result; the episode ends and is not trained on."""
+
+
+def _scalar(value: Any, key: str, where: str) -> float:
     try:
-        if hasattr(value, "item"):
-            return float(value.item())
-        return float(value)
+        if hasattr(value, "numel") and value.numel() != 1:
+            raise ValueError(f"{value.numel()} elements")
+        out = float(value.item()) if hasattr(value, "item") else float(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"step() returned '{key}' = {value!r}: expected a number or a 1-element tensor") from exc
+        raise AgentContractError(f"{where} returned '{key}' = {str(value)[:80]}: expected a number or a "
+                                 f"1-element tensor ({exc})") from None
+    if not math.isfinite(out):
+        raise AgentContractError(f"{where} returned '{key}' = {out}: rewards and logs must be finite numbers")
+    return out
 
 
-def check_step_result(result: Any) -> dict[str, Any]:
-    """Normalise ``step()``'s dict: floats for rewards/scores, str feedback, bool done."""
+def _flag(value: Any, key: str, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if hasattr(value, "numel") and value.numel() == 1 and ("bool" in str(value.dtype) or "int" in str(value.dtype)) \
+            and int(value.item()) in (0, 1):
+        return bool(value.item())
+    raise AgentContractError(f"{where} returned '{key}' = {value!r} ({type(value).__name__}): expected a bool "
+                             "(a string such as 'False' would end the episode)")
+
+
+def check_step_result(result: Any, where: str = "step()") -> dict[str, Any]:
+    """Normalise ``step()``'s dict: finite floats for rewards/scores/logs, str feedback, bool
+    done. ``where`` names the agent (its file) in the :class:`AgentContractError` raised for
+    anything else."""
     if not isinstance(result, Mapping):
-        raise ValueError(f"step() returned {type(result).__name__}: expected a dict with keys "
-                         f"{', '.join(REQUIRED_STEP_KEYS)}")
+        raise AgentContractError(f"{where} returned {type(result).__name__}: expected a dict with keys "
+                                 f"{', '.join(REQUIRED_STEP_KEYS)}")
     missing = [k for k in REQUIRED_STEP_KEYS if k not in result]
     if missing:
-        raise ValueError(f"step() result is missing key '{missing[0]}' (required: {', '.join(REQUIRED_STEP_KEYS)})")
+        raise AgentContractError(f"{where} result is missing key '{missing[0]}' "
+                                 f"(required: {', '.join(REQUIRED_STEP_KEYS)})")
     feedback = result["environment_feedback"]
     if not isinstance(feedback, str):
-        raise ValueError(f"step() returned environment_feedback of type {type(feedback).__name__}: expected str")
-    reward = _scalar(result["rewards"], "rewards")
+        raise AgentContractError(f"{where} returned environment_feedback of type {type(feedback).__name__}: "
+                                 "expected str")
+    reward = _scalar(result["rewards"], "rewards", where)
     scores = result.get("scores")
     extra = result.get("extra_logs") or {}
     if not isinstance(extra, Mapping):
-        raise ValueError(f"step() returned extra_logs of type {type(extra).__name__}: expected a dict")
+        raise AgentContractError(f"{where} returned extra_logs of type {type(extra).__name__}: expected a dict")
     return {
         "rewards": reward,
-        "scores": None if scores is None else _scalar(scores, "scores"),
+        "scores": None if scores is None else _scalar(scores, "scores", where),
         "environment_feedback": feedback,
-        "done": bool(result["done"]),
+        "done": _flag(result["done"], "done", where),
         "sampling_params": result.get("sampling_params"),
-        "extra_logs": {str(k): _scalar(v, f"extra_logs.{k}") for k, v in extra.items()},
+        "extra_logs": {str(k): _scalar(v, f"extra_logs.{k}", where) for k, v in extra.items()},
     }

@@ -43,8 +43,11 @@ class RolloutConfig:
     warm_up: bool = True
     dump_dir: str = ""
     prompt_overflow: str = "truncate"
+    on_failed_episode: str = "fail"  # fail: the step fails loudly; drop_group: its GRPO group is dropped
 
     def __post_init__(self) -> None:
+        if self.on_failed_episode not in ("fail", "drop_group"):
+            raise ValueError(f"RolloutConfig.on_failed_episode: '{self.on_failed_episode}' is not one of fail, drop_group")
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
         for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),

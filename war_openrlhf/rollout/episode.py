@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, Protocol, Sequence
 
-from .agents import check_step_result, turn_limits
+from .agents import AgentContractError, check_step_result, turn_limits
 from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
 
@@ -54,6 +54,51 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text=text, add_special_tokens=False)["input_ids"])
 
 
+class AgentThread:
+    """One episode's agent on a thread of its own, with its own event loop.
+
+    OpenRLHF agents' ``reset`` / ``step`` are coroutines, but tools often block inside them
+    (a synchronous SQL query, a subprocess): on the pool's event loop that would stall every
+    episode, and ``asyncio.wait_for`` could not stop it. Here every call runs on this
+    episode's thread and loop (so loop-bound objects an agent creates in ``reset`` keep
+    working in ``step``) and the pool waits for it with a wall-clock deadline that always
+    fires. A call past its deadline is cancelled where it awaits; one blocked in a call
+    cannot be killed and keeps its thread until it returns (counted in
+    :data:`ABANDONED`), while its episode ends and the batch goes on.
+    """
+
+    def __init__(self, name: str) -> None:
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name=f"war-agent-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def call(self, coro, timeout_s: float):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            ABANDONED["calls"] += 1
+            raise
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+#: Agent calls given up at their deadline since the process started (their threads end when
+#: the blocked call returns).
+ABANDONED = {"calls": 0}
+
+
 def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
     """A reproducible per-request sampling seed (None: vLLM's own randomness)."""
     if seed is None:
@@ -70,25 +115,30 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
     t0 = time.perf_counter() if t0 is None else t0
     start = time.perf_counter()
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label)
+    agent = AgentThread(trajectory_id)
     try:
-        await _run(service, agent_cls, tokenizer, cfg, traj, t0)
+        await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent)
+    except AgentContractError as exc:  # the agent file's bug: named, never trained on
+        traj.end_reason = "agent_error"
+        traj.error = f"{exc}"
     except Exception as exc:  # the environment itself is broken: keep the batch going
         traj.end_reason = traj.end_reason or "episode_error"
         traj.error = f"{type(exc).__name__}: {exc}"
         traj.extra_logs["episode_traceback_lines"] = float(len(traceback.format_exc().splitlines()))
     finally:
+        agent.close()
         service.unpark(trajectory_id)
     traj.wall_s = time.perf_counter() - start
     return traj
 
 
 async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, traj: Trajectory,
-               t0: float) -> None:
+               t0: float, agent: AgentThread) -> None:
+    where = f"{cfg.agent_func_path or agent_cls.__name__}: "
     instance = agent_cls()
-    reset = await asyncio.wait_for(instance.reset({"observation": traj.prompt, "label": traj.label}),
-                                   cfg.tool_timeout_s)
+    reset = await agent.call(instance.reset({"observation": traj.prompt, "label": traj.label}), cfg.tool_timeout_s)
     if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
-        raise ValueError("reset() must return a dict with a str 'observation'")
+        raise AgentContractError(f"{where}reset() must return a dict with a str 'observation'")
     observation_text = reset["observation"]
     tokens = _encode(tokenizer, observation_text)
     # room for one turn, as OpenRLHF's executor leaves it (its max_new_tokens, or 1 token when the
@@ -136,8 +186,11 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
             return
         action = list(out["token_ids"])
         lps = list(out["logprobs"]) if out.get("logprobs") else [0.0] * len(action)
-        if len(lps) != len(action):
-            raise ValueError(f"engine returned {len(lps)} logprobs for {len(action)} tokens")
+        if len(lps) != len(action) or len(action) > params["max_tokens"]:
+            traj.end_reason = "engine_error"  # an engine outside its contract: never a sample
+            traj.error = (f"turn {turn}: engine {out.get('engine')} returned {len(action)} tokens and {len(lps)} "
+                          f"logprobs for max_tokens {params['max_tokens']}")
+            return
         begin = len(traj.token_ids)
         traj.token_ids.extend(action)
         traj.action_mask.extend([1] * len(action))
@@ -158,7 +211,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         service.park(traj.trajectory_id, rec.engine)
         t_tool = time.perf_counter()
         try:
-            step = check_step_result(await asyncio.wait_for(instance.step(states), cfg.tool_timeout_s))
+            raw = await agent.call(instance.step(states), cfg.tool_timeout_s)
         except Exception as exc:
             msg = (f"tool timed out after {cfg.tool_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError)
                    else f"{type(exc).__name__}: {exc}")
@@ -169,10 +222,11 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                 traj.reward, traj.score = 0.0, 0.0
                 traj.end_reason, traj.error = "tool_error", msg
                 return
-            step = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
-                    "done": False, "sampling_params": None, "extra_logs": {}}
+            raw = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
+                   "done": False, "sampling_params": None, "extra_logs": {}}
         finally:
             service.unpark(traj.trajectory_id)
+        step = check_step_result(raw, f"{where}step()")  # the agent's contract: its error if broken
         rec.tool_s = time.perf_counter() - t_tool
 
         traj.reward += step["rewards"]

@@ -57,6 +57,7 @@ class BatchResult:
     engine_turns: list[int]
     engine_stats: list[EngineStats] = field(default_factory=list)
     end_reasons: dict[str, int] = field(default_factory=dict)
+    episode_retries: int = 0  # episodes re-run after an engine or environment failure
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,7 +74,7 @@ class BatchResult:
             "generated_tokens": self.generated_tokens, "tokens_per_s": self.tokens_per_s,
             "turns": self.turns, "prefix_hit_rate": self.prefix_hit_rate,
             "redispatched_turns": self.redispatched_turns, "deferrals": self.deferrals,
-            "engine_turns": self.engine_turns, "end_reasons": self.end_reasons,
+            "episode_retries": self.episode_retries, "engine_turns": self.engine_turns, "end_reasons": self.end_reasons,
             "mean_reward": float(np.mean([t.reward for t in self.trajectories])) if self.trajectories else 0.0,
             "speculating_fraction": fr,
         }
@@ -117,6 +118,7 @@ class RolloutPool:
         self._batch_index = 0
         self._redispatched = 0
         self._deferrals = 0
+        self._episode_retries = 0
         self._tokens_generated = 0
         self._started_handles = False
         self.pool_id = f"pool-{uuid.uuid4().hex[:12]}"  # owner of the engines' index replicas
@@ -127,8 +129,23 @@ class RolloutPool:
         """Start the engine actors (Ray must be initialised) and build the pool."""
         from ..engine.actors import create_war_engines
 
+        if config.dispatch_policy:  # the dispatcher's options are checked before any engine starts
+            try:
+                make_policy(config.dispatch_policy, config.num_engines, **config.dispatch_kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"RolloutConfig.dispatch_kwargs: {exc}") from None
         handles = create_war_engines(config.num_engines, config.engine, placement_group=True)
-        pool = cls(config, handles, **kwargs)
+        try:
+            pool = cls(config, handles, **kwargs)
+        except BaseException:  # engines started for a pool that failed to build: stop them
+            import ray
+
+            for h in handles:
+                try:
+                    ray.kill(h)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
         pool._started_handles = True
         return pool
 
@@ -316,7 +333,7 @@ class RolloutPool:
         for e in self.engines:
             e.peak_kv_usage = 0.0
         await self._attach_indexes(await self.engine_stats())  # the stats also give the dispatcher KV capacities
-        self._redispatched = self._deferrals = 0
+        self._redispatched = self._deferrals = self._episode_retries = 0
         turns0 = [e.turns for e in self.engines]
         t0 = time.perf_counter()
         tokens0 = self._tokens_generated
@@ -327,10 +344,19 @@ class RolloutPool:
             bar = tqdm(total=len(prompts) * n, desc="rollout episodes", unit="ep")
 
         async def one(p: int, s: int) -> Trajectory:
-            traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
-                                     label=labels[p], trajectory_id=f"b{b}-p{p}-s{s}", group_id=f"b{b}-p{p}",
-                                     t0=t0)
-            self.policy.on_trajectory_finished(traj.trajectory_id)
+            tid = f"b{b}-p{p}-s{s}"
+            for attempt in range(self.config.engine_retries + 1):
+                traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
+                                         label=labels[p], trajectory_id=tid if not attempt else f"{tid}-r{attempt}",
+                                         group_id=f"b{b}-p{p}", t0=t0)
+                self.policy.on_trajectory_finished(traj.trajectory_id)
+                # an engine or environment failure is retried from the start (on whichever engine the
+                # dispatcher picks); an agent file's contract error would fail again: not retried
+                if traj.end_reason not in ("engine_error", "episode_error") or not any(e.healthy for e in self.engines):
+                    break
+                self._episode_retries += 1
+            if attempt:
+                traj.extra_logs["episode_retries"] = float(attempt)
             await self._notify()  # a finished trajectory frees room for deferred ones
             if bar is not None:
                 bar.update(1)
@@ -357,7 +383,7 @@ class RolloutPool:
             turns=sum(len(t.turns) for t in trajs),
             prompt_tokens=sum(r.prompt_tokens for t in trajs for r in t.turns),
             cached_tokens=sum(r.cached_tokens for t in trajs for r in t.turns),
-            redispatched_turns=self._redispatched, deferrals=self._deferrals,
+            redispatched_turns=self._redispatched, deferrals=self._deferrals, episode_retries=self._episode_retries,
             engine_turns=[e.turns - t for e, t in zip(self.engines, turns0)], engine_stats=engine_stats, end_reasons=reasons)
 
     async def warm_up_async(self, prompt: str, label: Any = None) -> float:

@@ -17,7 +17,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 END_REASONS = ("done", "max_turns", "max_context", "prompt_too_long", "tool_error", "engine_error",
-               "episode_error")
+               "episode_error", "agent_error")
+#: Episodes that ended because the infrastructure or the agent file failed, not because of
+#: what the policy did: they are retried, and never handed to the trainer as samples.
+FAILED_END_REASONS = ("engine_error", "episode_error", "agent_error")
 
 
 @dataclass

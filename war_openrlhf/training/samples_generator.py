@@ -127,6 +127,37 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     return m
 
 
+class RolloutFailed(RuntimeError):
+    """Episodes failed for reasons outside the policy (engine, environment, agent file) after
+    their retries, and the settings say to fail the step (``on_failed_episode: fail``)."""
+
+
+def healthy_groups(trajectories: list, n: int, on_failed: str) -> tuple[list, int]:
+    """The trajectories a trainer may use: whole GRPO groups (``n`` consecutive samples of a
+    prompt) of healthy episodes. A failed episode (engine, environment or agent-file error,
+    :data:`~war_openrlhf.rollout.trajectory.FAILED_END_REASONS`) is never a sample (its reward
+    0 would read as the policy's failure and skew its group's advantages): ``on_failed``
+    ``fail`` raises :class:`RolloutFailed` naming the reasons; ``drop_group`` leaves out each
+    group that holds one, with a warning. Returns (kept, groups dropped)."""
+    import logging
+
+    from ..rollout.trajectory import FAILED_END_REASONS
+
+    groups = [trajectories[i:i + n] for i in range(0, len(trajectories), n)]
+    bad_ids = {k for k, g in enumerate(groups) if any(t.end_reason in FAILED_END_REASONS for t in g)}
+    bad = [groups[k] for k in sorted(bad_ids)]
+    if not bad:
+        return list(trajectories), 0
+    failed = [t for g in bad for t in g if t.end_reason in FAILED_END_REASONS]
+    first = "; ".join(f"{t.trajectory_id}: {t.end_reason}: {str(t.error)[:160]}" for t in failed[:3])
+    if on_failed == "fail":
+        raise RolloutFailed(f"{len(failed)} episode(s) failed after their retries ({first}); set "
+                            "war.on_failed_episode: drop_group to train on the other groups")
+    logging.getLogger(__name__).warning("dropping %d of %d GRPO groups with failed episodes: %s",
+                                        len(bad), len(groups), first)
+    return [t for k, g in enumerate(groups) if k not in bad_ids for t in g], len(bad)
+
+
 def attach_metrics(experiences: list, metrics: dict[str, float]) -> list:
     """Put the batch's scalars in every experience's ``info`` (one value per sample, the same
     for all): OpenRLHF averages ``info`` into the step status, so they reach every logger it
@@ -200,13 +231,16 @@ class WarSamplesGenerator:
 
         res, before, policy_before = run_coroutine(run())
         self._batches += 1
+        kept, dropped_groups = healthy_groups(res.trajectories, n, cfg.on_failed_episode)
+        self._pending_metrics["war/groups_dropped"] = float(dropped_groups)
+        self._pending_metrics["war/episode_retries"] = float(res.episode_retries)
         self.metrics = {**self._pending_metrics,
                         **rollout_metrics(res, self.pool, before, res.engine_stats, policy_before)}
         self._pending_metrics = {}
         if cfg.dump_dir:
             self._dump(res.trajectories)
         max_len = int(generate_kwargs.get("max_len", cfg.max_context_tokens))
-        return attach_metrics(to_experiences(res.trajectories, max_len=max_len), self.metrics), n
+        return attach_metrics(to_experiences(kept, max_len=max_len), self.metrics), n
 
     def _dump(self, trajectories) -> None:
         """One JSONL file per rollout batch: every trajectory with its tokens, mask, logprobs,
