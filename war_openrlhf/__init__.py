@@ -22,18 +22,6 @@ what each owns and which may import which):
 - ``cli``: ``war-train`` and the CPU demo.
 """
 
-from pathlib import Path as _Path
-
 __version__ = "0.1.0"  # the one version source (setup.cfg reads it)
 
-#: The documented default configs, shipped with the package (``configs/`` in a checkout).
-CONFIG_DIR = _Path(__file__).resolve().parent / "configs"
-
-
-def config_path(name: str) -> _Path:
-    """A shipped default config by name (``"rollout"``, ``"engine"``, ``"cpu_demo"``, ...)."""
-    path = CONFIG_DIR / (name if name.endswith(".yaml") else name + ".yaml")
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
-        raise ValueError(f"config_path: no shipped config '{name}' (known: {known})")
-    return path
+from .config_checks import CONFIG_DIR, config_path  # noqa: E402 - the shipped default configs

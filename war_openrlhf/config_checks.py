@@ -151,3 +151,16 @@ def load_yaml(path: str | Path, *, mapping: bool = True) -> Any:
     if mapping and not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of options, got {type(data).__name__} {str(data)[:40]!r}")
     return data
+
+
+#: The documented default configs, shipped with the package (``configs/`` in a checkout).
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def config_path(name: str) -> Path:
+    """A shipped default config by name (``"rollout"``, ``"engine"``, ``"cpu_demo"``, ...)."""
+    path = CONFIG_DIR / (name if name.endswith(".yaml") else name + ".yaml")
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"config_path: no shipped config '{name}' (known: {known})")
+    return path

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import config_path
+from ..config_checks import config_path
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict
 from typing import Any
 
-from .. import config_path
+from ..config_checks import config_path
 
 __all__ = ["war_help", "war_option_defaults"]
 
