@@ -389,7 +389,7 @@ def test_bad_config_and_log_use_are_named(tmp_path):
         log.advance_policy_version(-3)
     bad = tmp_path / "junk.npz"
     bad.write_bytes(b"not an index")
-    with pytest.raises(ValueError, match="is not a saved suffix index"):
+    with pytest.raises(ValueError, match="junk.npz: not a saved suffix index"):
         GlobalSuffixIndex.load(bad)
 
 
@@ -432,3 +432,108 @@ def test_a_replica_can_join_a_truncated_log_at_its_first_retained_entry():
     assert late.apply(log.read(3)) == 2 and late.applied_seq == 5
     with pytest.raises(ValueError, match="only an empty replica"):
         late.start_at(1)
+
+
+def _saved_index(tmp_path):
+    log = CompletedSequenceLog()
+    for i in range(3):
+        log.append(dict(trajectory_id=f"t{i}", group_id="g", policy_version=0,
+                        prompt_token_ids=[1, 2, 3 + i], response_token_ids=[7, 8, 9, 10 + i]))
+    index = GlobalSuffixIndex()
+    index.apply(log.read(0))
+    path = index.save(tmp_path / "index.npz")
+    return index, path
+
+
+def _rewrite(path, **changes):
+    """The saved file with some arrays (or the header) replaced, as a corrupt or tampered file."""
+    import json
+
+    with np.load(path) as z:
+        data = {k: z[k] for k in z.files}
+    meta = json.loads(bytes(data["meta"]).decode())
+    for k, v in changes.items():
+        if k == "meta":
+            meta.update(v)
+        else:
+            data[k] = v
+    data["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    with open(path, "wb") as fh:
+        np.savez(fh, **data)
+
+
+def test_save_is_atomic_and_load_round_trips(tmp_path):
+    index, path = _saved_index(tmp_path)
+    again = GlobalSuffixIndex.load(path)
+    assert again.stats()["records"] == 3 and again.stats()["applied_seq"] == index.stats()["applied_seq"]
+    assert [p.name for p in tmp_path.iterdir()] == ["index.npz"]  # no temporary file left
+    good = path.read_bytes()
+    # a save that fails part-way leaves the last good file untouched
+    import unittest.mock as mock
+
+    with mock.patch("numpy.savez", side_effect=OSError("disk full")):
+        with pytest.raises(OSError, match="disk full"):
+            index.save(path)
+    assert path.read_bytes() == good and [p.name for p in tmp_path.iterdir()] == ["index.npz"]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("truncated", "not a saved suffix index"),
+    ("tokens_cut", "checksum mismatch|array .tokens. has shape"),
+    ("negative_length", "checksum mismatch|lengths"),
+    ("duplicate_seq", "checksum mismatch|duplicate"),
+    ("other_format", "format 'war-suffix-index/1'"),
+    ("missing", "no such file"),
+])
+def test_every_bad_index_file_is_one_error_naming_the_file(tmp_path, case, expected):
+    from war_openrlhf.speculation import IndexFileError
+
+    _, path = _saved_index(tmp_path)
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    elif case == "tokens_cut":
+        with np.load(path) as z:
+            tokens = z["tokens"][:-2]
+        _rewrite(path, tokens=tokens)
+    elif case == "negative_length":
+        with np.load(path) as z:
+            lengths = z["lengths"].copy()
+        lengths[0] = -1
+        _rewrite(path, lengths=lengths)
+    elif case == "duplicate_seq":
+        with np.load(path) as z:
+            seqs = z["seqs"].copy()
+        seqs[1] = seqs[0]
+        _rewrite(path, seqs=seqs)
+    elif case == "other_format":
+        _rewrite(path, meta={"format": "war-suffix-index/1"})
+    elif case == "missing":
+        path.unlink()
+    with pytest.raises(IndexFileError, match=str(path).replace(".", r"\.") + ": (" + expected + ")"):
+        GlobalSuffixIndex.load(path)
+
+
+def test_consistent_but_wrong_arrays_are_refused_even_with_a_fresh_checksum(tmp_path):
+    """A file rewritten with its header's checksum and shapes recomputed (so only the
+    consistency checks can catch it): negative lengths, duplicates, records past the log."""
+    import hashlib
+    import json
+
+    from war_openrlhf.speculation import IndexFileError
+
+    for mutate, expected in ((lambda a: a["seqs"].__setitem__(1, a["seqs"][0]), "duplicate record sequence numbers"),
+                             (lambda a: a["seqs"].__setitem__(2, 99), "past the applied position")):
+        _, path = _saved_index(tmp_path)
+        with np.load(path) as z:
+            data = {k: z[k].copy() for k in z.files}
+        mutate(data)
+        meta = json.loads(bytes(data["meta"]).decode())
+        digest = hashlib.sha256()
+        for name in ("seqs", "versions", "lengths", "tokens"):
+            digest.update(np.ascontiguousarray(data[name]).tobytes())
+        meta["sha256"] = digest.hexdigest()
+        data["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        with open(path, "wb") as fh:
+            np.savez(fh, **data)
+        with pytest.raises(IndexFileError, match=expected):
+            GlobalSuffixIndex.load(path)

@@ -6,7 +6,7 @@
 - :mod:`proposers`: the drafters compared in benchmarks (none, vLLM ngram, vLLM per-engine suffix, WAR global).
 """
 
-from .index import Draft, GlobalSuffixIndex, SuffixIndexConfig
+from .index import Draft, GlobalSuffixIndex, IndexFileError, SuffixIndexConfig
 from .log import CompletedSequenceLog, LogEntry, LogTruncatedError
 from .records import CompletedSequence, as_token_array
 
@@ -15,6 +15,7 @@ __all__ = [
     "CompletedSequenceLog",
     "Draft",
     "GlobalSuffixIndex",
+    "IndexFileError",
     "LogEntry",
     "LogTruncatedError",
     "SuffixIndexConfig",

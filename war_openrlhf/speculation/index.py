@@ -37,7 +37,15 @@ from .log import CompletedSequenceLog, LogEntry
 from .records import CompletedSequence, _check_id, as_token_array
 
 _SEQ_MASK = 0x7FFFFFFF
-_FORMAT = "war-suffix-index/1"
+_FORMAT = "war-suffix-index/2"  # /2: array shapes and a SHA-256 in the header
+
+
+class IndexFileError(ValueError):
+    """A saved index file that cannot be loaded: names the file and what is wrong."""
+
+
+#: The arrays of a saved index, in checksum order.
+_ARRAYS = ("seqs", "versions", "lengths", "tokens")
 
 
 @dataclass
@@ -620,11 +628,26 @@ class GlobalSuffixIndex:
     def save(self, path: str | Path) -> Path:
         """Write the replicated state (config, records, log position) to ``path`` (.npz).
 
-        Queued entries are applied first, so the file holds everything this replica was given."""
+        Queued entries are applied first, so the file holds everything this replica was given.
+        The write is atomic: a temporary file in the same directory, flushed to disk, then
+        renamed over ``path`` (a failed or interrupted save leaves the last good index). The
+        header records the array shapes and a SHA-256 of the arrays, which :meth:`load` checks."""
+        import hashlib
+        import os
+        import tempfile
+
         path = Path(path)
         self.work(None)
         recs = list(self._records.values())
-        lengths = np.array([r.tokens.size for r in recs], dtype=np.int64)
+        arrays = {
+            "seqs": np.array([r.seq for r in recs], dtype=np.int64),
+            "versions": np.array([r.policy_version for r in recs], dtype=np.int64),
+            "lengths": np.array([r.tokens.size for r in recs], dtype=np.int64),
+            "tokens": np.concatenate([r.tokens for r in recs]) if recs else np.zeros(0, dtype=np.int32),
+        }
+        digest = hashlib.sha256()
+        for name in _ARRAYS:
+            digest.update(np.ascontiguousarray(arrays[name]).tobytes())
         meta = {
             "format": _FORMAT,
             "config": asdict(self.config),
@@ -632,31 +655,80 @@ class GlobalSuffixIndex:
             "policy_version": self._policy_version,
             "trajectory_ids": [r.trajectory_id for r in recs],
             "group_ids": [r.group_id for r in recs],
+            "shapes": {name: list(arrays[name].shape) for name in _ARRAYS},
+            "sha256": digest.hexdigest(),
         }
-        with open(path, "wb") as fh:
-            np.savez(
-                fh,
-                meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-                seqs=np.array([r.seq for r in recs], dtype=np.int64),
-                versions=np.array([r.policy_version for r in recs], dtype=np.int64),
-                lengths=lengths,
-                tokens=np.concatenate([r.tokens for r in recs]) if recs else np.zeros(0, dtype=np.int32),
-            )
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent or "."))
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        try:  # the rename itself durable
+            dir_fd = os.open(str(path.parent or "."), os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
         return path
 
     @classmethod
     def load(cls, path: str | Path, **overrides: Any) -> "GlobalSuffixIndex":
-        """Rebuild a replica from :meth:`save` output; it resumes the log after its seq."""
+        """Rebuild a replica from :meth:`save` output; it resumes the log after its seq.
+
+        Every problem with the file is one :class:`IndexFileError` naming the file and what is
+        wrong (unreadable, not an index, another format, a checksum or shape mismatch,
+        inconsistent arrays); a file is never loaded into a wrong index."""
+        import hashlib
+
         path = Path(path)
+
+        def bad(what: str) -> IndexFileError:
+            return IndexFileError(f"{path}: {what}")
+
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
-                seqs, versions, lengths, tokens = z["seqs"], z["versions"], z["lengths"], z["tokens"]
-        except (OSError, KeyError, ValueError) as exc:
-            raise ValueError(f"path: {path} is not a saved suffix index ({exc})") from exc
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"path: {path} has format {meta.get('format')!r}, expected {_FORMAT!r}")
-        config = SuffixIndexConfig.from_dict({**meta["config"], **overrides})
+                arrays = {name: np.asarray(z[name]) for name in _ARRAYS}
+        except FileNotFoundError:
+            raise bad("no such file") from None
+        except Exception as exc:  # noqa: BLE001 - BadZipFile, EOFError, KeyError, ValueError, ...
+            raise bad(f"not a saved suffix index ({type(exc).__name__}: {str(exc)[:160]})") from None
+        if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise bad(f"format {found!r}, expected {_FORMAT!r} (saved by another version?)")
+        digest = hashlib.sha256()
+        for name in _ARRAYS:
+            if list(arrays[name].shape) != list(meta.get("shapes", {}).get(name, [-1])):
+                raise bad(f"array '{name}' has shape {list(arrays[name].shape)}, the header says "
+                          f"{meta.get('shapes', {}).get(name)}")
+            digest.update(np.ascontiguousarray(arrays[name]).tobytes())
+        if digest.hexdigest() != meta.get("sha256"):
+            raise bad("checksum mismatch: the arrays changed after the save")
+        seqs, versions, lengths, tokens = (arrays[n] for n in _ARRAYS)
+        n = len(seqs)
+        if not (len(versions) == len(lengths) == n == len(meta["trajectory_ids"]) == len(meta["group_ids"])):
+            raise bad("per-record arrays of different lengths")
+        if (lengths < 0).any() or int(lengths.sum()) != len(tokens):
+            raise bad(f"record lengths (sum {int(lengths.sum())}) do not cover the {len(tokens)} tokens")
+        if len(set(seqs.tolist())) != n:
+            raise bad("duplicate record sequence numbers")
+        if n and int(seqs.max()) > int(meta["applied_seq"]):
+            raise bad(f"a record's sequence number {int(seqs.max())} is past the applied position "
+                      f"{meta['applied_seq']}")
+        try:
+            config = SuffixIndexConfig.from_dict({**meta["config"], **overrides})
+        except ValueError as exc:
+            raise bad(f"config: {exc}") from None
         index = cls(config)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for i, seq in enumerate(seqs.tolist()):
