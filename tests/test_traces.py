@@ -524,3 +524,18 @@ def test_task_halves_cut_tasks_in_two_disjoint_balanced_halves():
     assert abs(len(h["tuning"]) - len(h["validation"])) <= 1
     assert h == task_halves(reversed(ids))  # order of appearance does not matter
     assert sorted(set(ids))[0] in h["tuning"]
+
+
+def test_hostile_numbers_and_nesting_are_format_errors_naming_the_file(tmp_path):
+    from war_openrlhf.traces.chat_traces import TraceFormatError, load_chat_traces
+
+    cases = {
+        "huge_reward.json": '[{"task_id": 0, "trial": 0, "reward": 1' + "0" * 400 + ', "traj": []}]',
+        "huge_int.json": '[{"task_id": 1' + "0" * 5000 + ', "trial": 0, "reward": 1, "traj": []}]',
+        "deep.json": "[" * 100_000 + "]" * 100_000,
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(TraceFormatError, match=str(path).replace(".", r"\.")):
+            load_chat_traces(path)

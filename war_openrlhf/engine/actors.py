@@ -65,7 +65,21 @@ def create_war_engines(
         actor_cls = ray.remote(WarEngine).options(**options)
         handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
                                         agent_func_path=agent_func_path))
-    started = ray.get([h.start.remote() for h in handles])
+    refs = [h.start.remote() for h in handles]
+    try:
+        started = ray.get(refs, timeout=config.start_timeout_s)
+    except BaseException as exc:  # a failed or hung start: no engine of the set is left running
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        late = [i for i, r in enumerate(refs) if r not in ready]
+        for h in handles:
+            try:
+                ray.kill(h)
+            except Exception:  # noqa: BLE001
+                pass
+        if isinstance(exc, ray.exceptions.GetTimeoutError):
+            raise RuntimeError(f"engines {late} did not start within EngineConfig.start_timeout_s="
+                               f"{config.start_timeout_s:g} s; every engine of the set was stopped") from None
+        raise
     for i, stats in enumerate(started):
         print(f"WAR engine {i} on node {stats.get('node_id', '?')}", flush=True)
     return handles

@@ -54,6 +54,7 @@ class EngineConfig:
     enable_sleep_mode: bool = False  # vLLM sleep mode: free weights + KV while the trainer runs (CUDA)
     logprobs_mode: str | None = None  # vLLM's logprobs_mode; None: vLLM's default (raw_logprobs)
     full_determinism: bool = False  # vLLM in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), as OpenRLHF
+    start_timeout_s: float = 1800.0  # an engine not serving by then failed to start (model download included)
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):
@@ -81,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_space_gib > 0:
             raise ValueError(f"EngineConfig.kv_cache_space_gib: must be > 0, got {self.kv_cache_space_gib}")
+        if not self.start_timeout_s > 0:
+            raise ValueError(f"EngineConfig.start_timeout_s: must be > 0, got {self.start_timeout_s}")
         if self.sync_max_lag_seconds < 0:
             raise ValueError(f"EngineConfig.sync_max_lag_seconds: must be >= 0, got {self.sync_max_lag_seconds}")
 

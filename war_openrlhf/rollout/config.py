@@ -37,6 +37,7 @@ class RolloutConfig:
     tool_timeout_s: float = 30.0
     on_tool_error: str = "observe"
     engine_retries: int = 3
+    turn_timeout_s: float = 900.0  # an engine silent this long on one turn is hung: treated as dead
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
     progress: bool = True
@@ -67,7 +68,7 @@ class RolloutConfig:
         if self.prompt_overflow not in ("truncate", "end"):
             raise ValueError(f"RolloutConfig.prompt_overflow: '{self.prompt_overflow}' is not one of truncate, end "
                              "(truncate: keep the prompt's last tokens, as OpenRLHF does; end: end the episode)")
-        for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s"):  # seconds
+        for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s", "turn_timeout_s"):  # seconds
             check_number("RolloutConfig", name, getattr(self, name), gt=0)
         check_number("RolloutConfig", "temperature", self.temperature, ge=0)
         check_number("RolloutConfig", "top_p", self.top_p, gt=0, le=1)

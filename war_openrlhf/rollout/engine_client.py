@@ -8,6 +8,8 @@ than asking the engine each turn. An engine is a :class:`EngineHandle`: a
 
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -89,9 +91,18 @@ class EngineClient:
             raise EngineDead(f"engine {self.index}: {self.error}") from exc
 
     async def generate_tokens(self, context: Sequence[int], sampling_params: dict[str, Any], trajectory_id: str,
-                              group_id: str) -> dict[str, Any]:
-        return await self._call("generate_tokens", list(context), dict(sampling_params), None, trajectory_id,
-                                group_id)
+                              group_id: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """One turn. ``timeout_s``: an engine that has not answered by then is hung; it is
+        treated as dead (marked unhealthy, :class:`EngineDead` raised so the turn is re-dispatched)."""
+        call = self._call("generate_tokens", list(context), dict(sampling_params), None, trajectory_id, group_id)
+        if timeout_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, timeout_s)
+        except asyncio.TimeoutError:
+            exc = TimeoutError(f"no answer to a turn within {timeout_s:g} s: treated as hung")
+            self.mark_dead(exc)
+            raise EngineDead(f"engine {self.index}: {self.error}") from None
 
     async def push_log(self, entries: list) -> None:
         await self._call("push_log", entries)

@@ -203,7 +203,8 @@ class RolloutPool:
             eng.queued_tokens += budget
             attempts += 1
             try:
-                out = await eng.generate_tokens(ctx.tolist(), sampling_params, trajectory_id, group_id)
+                out = await eng.generate_tokens(ctx.tolist(), sampling_params, trajectory_id, group_id,
+                                                timeout_s=self.config.turn_timeout_s)
             except EngineDead:
                 if attempts > self.config.engine_retries:
                     raise

@@ -130,6 +130,10 @@ def _read_records(path: PathLike) -> list[Any]:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TraceFormatError(f"{name}: not valid JSON: {e}") from None
+    except RecursionError:
+        raise TraceFormatError(f"{name}: JSON nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise TraceFormatError(f"{name}: JSON holds a value Python cannot read: {str(e)[:160]}") from None
     if not isinstance(data, list):
         raise TraceFormatError(
             f"{name}: top level must be a list of trajectory records, got {_kind(data)}"
@@ -162,8 +166,12 @@ def _parse_record(record: Any, where: str) -> ChatTrajectory:
                 f"{where}: field '{key}' must be an integer, got {_kind(record[key])}"
             )
     reward = record["reward"]
-    if not (_is_int(reward) or isinstance(reward, float)) or not math.isfinite(reward):
-        raise TraceFormatError(f"{where}: field 'reward' must be a finite number, got {reward!r}")
+    try:
+        finite = (_is_int(reward) or isinstance(reward, float)) and math.isfinite(reward)
+    except OverflowError:  # an integer too large for a float
+        finite = False
+    if not finite:
+        raise TraceFormatError(f"{where}: field 'reward' must be a finite number, got {str(reward)[:40]}")
     traj = record["traj"]
     if not isinstance(traj, list):
         raise TraceFormatError(f"{where}: field 'traj' must be a list of messages, got {_kind(traj)}")
@@ -259,6 +267,9 @@ def _parse_tool_call(raw: Any, where: str) -> ToolCall:
             arguments = json.loads(arguments)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{where}: field 'function.arguments' is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise TraceFormatError(f"{where}: field 'function.arguments' cannot be read "
+                                   f"({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(arguments, dict):
         raise TraceFormatError(
             f"{where}: field 'function.arguments' must be a JSON object (or a string encoding one), "

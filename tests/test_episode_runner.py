@@ -1,0 +1,148 @@
+"""The episode runner, the step-result contract and the engine client's deadline, without
+engines: a fake turn service (pure logic under test, no vLLM) and small agent classes that
+misbehave the way real ones do (a blocking tool, a hostile result, a hung engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from openrlhf.utils.agent import AgentInstanceBase
+
+from war_openrlhf.rollout import RolloutConfig, run_episode
+from war_openrlhf.rollout.engine_client import EngineClient, EngineDead
+from war_openrlhf.training.samples_generator import RolloutFailed, healthy_groups
+
+
+class CharTokenizer:
+    """One token per character (ids are code points): exact round trips, no files."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeService:
+    """Answers every turn with the text ``reply`` (its tokens, logprob -0.5 each)."""
+
+    def __init__(self, reply: str = "<answer>5</answer>", extra_tokens: int = 0) -> None:
+        self.reply, self.extra = reply, extra_tokens
+        self.parked: dict[str, int] = {}
+        self.turns = 0
+
+    async def generate_turn(self, trajectory_id, group_id, context, sampling_params, turn_index, tokens_so_far):
+        self.turns += 1
+        ids = [ord(c) for c in self.reply][: sampling_params["max_tokens"]] + [ord("x")] * self.extra
+        return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "engine": 0, "finish_reason": "stop",
+                "num_prompt_tokens": len(context), "num_cached_tokens": 0, "weight_versions": [2, 2]}
+
+    def park(self, trajectory_id, engine):
+        self.parked[trajectory_id] = engine
+
+    def unpark(self, trajectory_id):
+        self.parked.pop(trajectory_id, None)
+
+
+def _agent(step_result=None, block_s: float = 0.0):
+    class Agent(AgentInstanceBase):
+        async def __init__(self, *a, **k):  # noqa: D401 - OpenRLHF's async-constructor style
+            pass
+
+        async def reset(self, states, **kwargs):
+            return {"observation": states["observation"]}
+
+        async def step(self, states, **kwargs):
+            if block_s:
+                time.sleep(block_s)  # a synchronous tool inside an async step
+            if step_result is not None:
+                return step_result
+            return {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True,
+                    "sampling_params": states["sampling_params"], "extra_logs": {"tool_calls": 1.0}}
+
+    Agent.__init__ = lambda self, *a, **k: None
+    return Agent
+
+
+def _cfg(**kw):
+    base = dict(max_turns=3, max_context_tokens=256, max_new_tokens_per_turn=32, tool_timeout_s=0.5,
+                agent_func_path="my_agent.py", progress=False)
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def _episode(service, agent, cfg, tid="t0"):
+    return run_episode(service, agent, CharTokenizer(), cfg, prompt="Q: 2+3? ", label="5", trajectory_id=tid,
+                       group_id="g0")
+
+
+def test_a_healthy_episode_keeps_tokens_mask_logprobs_and_versions():
+    traj = asyncio.run(_episode(FakeService(), _agent(), _cfg()))
+    assert traj.end_reason == "done" and traj.reward == 1.0 and traj.extra_logs == {"tool_calls": 1.0}
+    traj.check()
+    assert traj.turns[0].policy_versions == (2, 2)
+    assert traj.action_mask.count(1) == len("<answer>5</answer>")
+    assert all(lp == -0.5 for lp, m in zip(traj.logprobs, traj.action_mask) if m)
+
+
+def test_a_blocking_tool_is_stopped_at_its_deadline_and_delays_only_its_own_episode():
+    async def both():
+        t0 = time.perf_counter()
+        slow, fast = await asyncio.gather(_episode(FakeService("<tool_call>{}</tool_call>"), _agent(block_s=3.0),
+                                                   _cfg(on_tool_error="end"), "slow"),
+                                          _episode(FakeService(), _agent(), _cfg(), "fast"))
+        return slow, fast, time.perf_counter() - t0
+
+    slow, fast, wall = asyncio.run(both())
+    assert fast.end_reason == "done" and fast.wall_s < 0.4  # not held by the blocked tool
+    assert slow.end_reason == "tool_error" and "timed out after 0.5 s" in slow.error
+    assert wall < 2.0  # the deadline fired while the tool still blocked its thread
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"done": "False"}, "'done' = 'False'"),
+    ({"rewards": float("nan")}, "'rewards' = nan"),
+    ({"rewards": float("inf")}, "'rewards' = inf"),
+    ({"extra_logs": {"x": float("nan")}}, "'extra_logs.x' = nan"),
+])
+def test_a_result_outside_the_contract_is_the_agents_error_and_never_a_sample(bad, field):
+    result = {"rewards": 1.0, "scores": 1.0, "environment_feedback": "", "done": True, **bad}
+    traj = asyncio.run(_episode(FakeService(), _agent(step_result=result), _cfg()))
+    assert traj.end_reason == "agent_error" and "my_agent.py: step() returned " + field in traj.error
+    with pytest.raises(RolloutFailed, match="agent_error"):
+        healthy_groups([traj], 1, "fail")
+
+
+def test_an_engine_returning_more_than_max_tokens_is_an_engine_error():
+    traj = asyncio.run(_episode(FakeService(extra_tokens=40), _agent(), _cfg()))
+    assert traj.end_reason == "engine_error" and "for max_tokens" in traj.error
+
+
+def test_failed_episodes_fail_the_step_or_drop_their_whole_group():
+    good = asyncio.run(_episode(FakeService(), _agent(), _cfg()))
+    bad = asyncio.run(_episode(FakeService(extra_tokens=40), _agent(), _cfg()))
+    batch = [good, good, bad, good]  # two groups of 2; the second holds a failure
+    with pytest.raises(RolloutFailed, match="1 episode\\(s\\) failed.*engine_error.*drop_group"):
+        healthy_groups(batch, 2, "fail")
+    kept, dropped = healthy_groups(batch, 2, "drop_group")
+    assert kept == [good, good] and dropped == 1
+    assert healthy_groups([good, good], 2, "fail") == ([good, good], 0)
+
+
+def test_a_hung_engine_is_treated_as_dead_at_the_turn_deadline():
+    class HungEngine:
+        async def generate_tokens(self, *args):
+            await asyncio.sleep(30)
+
+    client = EngineClient(0, HungEngine())
+
+    async def call():
+        t0 = time.perf_counter()
+        with pytest.raises(EngineDead, match="treated as hung"):
+            await client.generate_tokens([1, 2], {"max_tokens": 4}, "t", "g", timeout_s=0.2)
+        return time.perf_counter() - t0
+
+    assert asyncio.run(call()) < 1.0
+    assert client.healthy is False and "within 0.2 s" in client.error
