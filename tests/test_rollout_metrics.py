@@ -12,7 +12,7 @@ from war_openrlhf.training.samples_generator import rollout_metrics
 
 
 def _result():
-    turn = SimpleNamespace(engine=0, start=4)
+    turn = SimpleNamespace(engine=0, start=4, generate_s=0.3, tool_s=0.1, attempts=1)
     traj = SimpleNamespace(turns=[turn], token_ids=[1, 2, 3, 4, 5, 6], reward=1.0, end_reason="done")
     return SimpleNamespace(tokens_per_s=10.0, wall_s=1.0, generated_tokens=2, turns=1, prefix_hit_rate=0.5,
                            redispatched_turns=0, deferrals=0, trajectories=[traj], engine_turns=[1, 0])
@@ -60,3 +60,27 @@ def test_the_dispatchers_measurements_are_reported():
     assert m["war/dispatch_step_ms"] == pytest.approx(5.0)
     assert m["war/dispatch_prefill_us_per_token"] == pytest.approx(40.0)
     assert m["war/dispatch_moves"] == 0.0 and m["war/dispatch_deferrals"] == 0.0
+
+
+def test_running_counters_are_reported_per_batch_not_since_start():
+    """The switch's step counters and the dispatcher's moves run since engine / policy start:
+    each batch reports its own share (a cumulative fraction would hide a switch that just flipped)."""
+    def with_switch(engine, steps, spec_steps, decisions, gain):
+        return EngineStats(engine=engine, war={"switch": {"steps": steps, "spec_steps": spec_steps,
+                                                          "decisions": decisions, "expected_gain": gain,
+                                                          "speculating": spec_steps > 0}})
+
+    before = [with_switch(0, 100, 100, 5, 1.4), with_switch(1, 100, 0, 5, 0.8)]
+    after = [with_switch(0, 110, 100, 6, 0.9), with_switch(1, 130, 30, 7, 1.3)]
+    pool = _pool()
+    pool.policy = SimpleNamespace(estimated_cached_tokens=lambda e, c: None,
+                                  metrics=lambda: {"moves": 7.0, "deferrals": 2.0, "step_ms": 5.0})
+    m = rollout_metrics(_result(), pool, before, after, policy_before={"moves": 4.0, "deferrals": 2.0})
+    assert m["war/engine0_speculating_fraction"] == 0.0  # no drafting step in this batch (100 before)
+    assert m["war/engine1_speculating_fraction"] == pytest.approx(1.0)
+    assert m["war/speculating_fraction"] == pytest.approx(30 / 40)
+    assert m["war/engine1_switch_expected_gain"] == pytest.approx(1.3)
+    assert m["war/engine0_switch_decisions"] == 1.0 and m["war/engine1_switch_decisions"] == 2.0
+    assert m["war/dispatch_moves"] == 3.0 and m["war/dispatch_deferrals"] == 0.0
+    assert m["war/dispatch_step_ms"] == 5.0  # a measurement, not a counter: as it is
+    assert m["war/turn_generate_s_mean"] == pytest.approx(0.3) and m["war/turn_tool_s_mean"] == pytest.approx(0.1)
