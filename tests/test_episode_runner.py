@@ -146,3 +146,16 @@ def test_a_hung_engine_is_treated_as_dead_at_the_turn_deadline():
 
     assert asyncio.run(call()) < 1.0
     assert client.healthy is False and "within 0.2 s" in client.error
+
+
+def test_experiences_of_one_batch_carry_the_same_info_keys():
+    """OpenRLHF batches experiences and needs every info key in each: an episode whose agent
+    logged less (its tool failed first) must not fail the step (found by tools/soak.py)."""
+    from war_openrlhf.rollout import to_experiences
+
+    full = asyncio.run(_episode(FakeService(), _agent(), _cfg()))
+    bare = asyncio.run(_episode(FakeService(), _agent(), _cfg(), "t1"))
+    bare.extra_logs = {}
+    exps = to_experiences([full, bare], max_len=256)
+    assert set(exps[0].info) == set(exps[1].info) and "tool_calls" in exps[1].info
+    assert float(exps[1].info["tool_calls"][0]) == 0.0 and float(exps[0].info["tool_calls"][0]) == 1.0

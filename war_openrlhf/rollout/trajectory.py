@@ -107,8 +107,19 @@ def to_openrlhf_response(traj: Trajectory) -> dict[str, Any]:
 
 
 def to_experiences(trajectories: Sequence[Trajectory], max_len: int) -> list:
-    """OpenRLHF ``Experience`` objects, built by OpenRLHF's own conversion code."""
+    """OpenRLHF ``Experience`` objects, built by OpenRLHF's own conversion code.
+
+    Every experience gets the same ``extra_logs`` keys (a key an episode never logged is 0.0):
+    OpenRLHF batches experiences and requires each ``info`` key in all of them (an episode
+    whose tool failed before the agent logged anything would otherwise fail the whole step
+    with "Size of info[...] does not match batch_size")."""
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     convert = SamplesGenerator._process_response_into_experience  # uses no instance state
-    return [convert(None, to_openrlhf_response(t), max_len=max_len) for t in trajectories]
+    keys = sorted({k for t in trajectories for k in t.extra_logs})
+    out = []
+    for t in trajectories:
+        response = to_openrlhf_response(t)
+        response["extra_logs"] = {k: float(t.extra_logs.get(k, 0.0)) for k in keys}
+        out.append(convert(None, response, max_len=max_len))
+    return out
