@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         seen = 0
         while proc.poll() is None:
-            time.sleep(1.0)
+            time.sleep(0.25)
             steps = (out / "train.log").read_text(errors="replace").count("Global step ")
             if steps > seen:
                 seen = steps
                 print(f"  step {steps} done ({time.time() - t0:.0f} s)", flush=True)
             if not hung and seen >= args.hang_at_step:
+                time.sleep(1.0)  # after the weight sync, inside the next step's generation
                 pids = _engine_pids()
                 if pids:
                     victim = pids[-1]
@@ -159,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             kind = json.loads(line)["kind"]
             injected[kind] = injected.get(kind, 0) + 1
     report.update(steps=args.steps, wall_s=round(wall, 1), faults_injected=injected,
-                  engine_hung=hung, hung_engine_declared_dead="treated as hung" in text)
+                  engine_hung=hung, hung_engine_declared_dead="treated as hung" in text,
+                  warm_up_episodes_not_dumped="the warm-up's episodes (one per engine) are not in the dumps")
     (out / "soak.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1

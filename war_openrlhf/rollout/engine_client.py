@@ -141,6 +141,10 @@ class EngineClient:
         if self.healthy:
             self.healthy = False
             self.error = f"{type(exc).__name__}: {exc}"[:500]
+            import logging
+
+            logging.getLogger(__name__).warning("engine %d marked dead (%s); its turns go to the other engines",
+                                                self.index, self.error)
 
     def state(self, exclude_parked: int = 0) -> EngineState:
         """The dispatcher's snapshot of this engine."""
