@@ -149,6 +149,8 @@ def start_openrlhf_engines(
                 "max_model_len": max_model_len,
                 "enable_prefix_caching": enable_prefix_caching,
                 "dtype": "float32",
+                # the baseline mirrors OpenRLHF's own engine arguments (create_vllm_engines,
+                # vllm_engine.py line 274); the models here are local builds with no custom code
                 "trust_remote_code": True,
                 "full_determinism": False,
                 "bundle_indices": None,

@@ -28,6 +28,7 @@ actor handles or in-process :class:`~war_openrlhf.engine.WarEngine` objects.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ from .config import RolloutConfig
 from .engine_client import ENGINE_METHODS, EngineClient, EngineDead, EngineHandle
 from .episode import run_episode
 from .trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class BatchResult:
@@ -121,6 +125,7 @@ class RolloutPool:
         self._episode_retries = 0
         self._tokens_generated = 0
         self._started_handles = False
+        self._background_errors = 0  # failures of the log-sync and stats loops (logged)
         self.pool_id = f"pool-{uuid.uuid4().hex[:12]}"  # owner of the engines' index replicas
 
     # ------------------------------------------------------------------ lifecycle
@@ -284,7 +289,11 @@ class RolloutPool:
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.log_sync_interval_s)
-            await self.sync_log()
+            try:
+                await self.sync_log()
+            except Exception:  # noqa: BLE001 - reported; drafting degrades, rollouts go on
+                self._background_errors += 1
+                log.exception("index log sync failed (rollouts go on; drafting may lag)")
 
     async def engine_stats(self) -> list[EngineStats]:
         """Every engine's report (the last one for an engine that died, with ``healthy`` False)."""
@@ -298,7 +307,12 @@ class RolloutPool:
     async def _stats_loop(self, bar, tokens0: int, t0: float) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
-            await self.engine_stats()
+            try:
+                await self.engine_stats()
+            except Exception:  # noqa: BLE001 - reported; the dispatcher keeps the last reports
+                self._background_errors += 1
+                log.exception("engine stats poll failed (the dispatcher keeps the last reports)")
+                continue
             if bar is not None:
                 spec = self.speculating_fraction()
                 rate = (self._tokens_generated - tokens0) / max(time.perf_counter() - t0, 1e-9)

@@ -268,28 +268,59 @@ class WarSamplesGenerator:
         return kept
 
     def generate_samples(self, **generate_kwargs):
-        from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
-
         if self._dataloader_iter is None and not self._sample_buffer:
             self._dataloader_iter = iter(self.prompts_dataloader)
         chunk = self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt
         consumed, pass_rate = 0, None
         if len(self._sample_buffer) < chunk and self._dataloader_iter is not None:
-            gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
-            prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, gen_batch)
-            consumed = len(prompts)
-            if prompts:
-                exps, n = self._rollout(prompts, labels, **generate_kwargs)
-                kept = self._filtered(exps, n)
-                if self.args.algo.dynamic_filtering_enable and consumed:
-                    pass_rate = len(kept) / max(len(exps), 1) * 100
-                self._sample_buffer.extend(kept)
-            if exhausted:
-                self._dataloader_iter = None
+            sleep_mode = bool(getattr(getattr(self.args, "vllm", None), "enable_sleep", False))
+            if sleep_mode:  # as OpenRLHF's generator: engines wake for generation, sleep after
+                from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+                batch_vllm_engine_call(self.vllm_engines, "wake_up")
+            try:
+                consumed, pass_rate = self._fill(chunk, **generate_kwargs)
+            finally:
+                if sleep_mode:
+                    batch_vllm_engine_call(self.vllm_engines, "sleep")
         out = self._sample_buffer[:chunk]
         self._sample_buffer = self._sample_buffer[chunk:]
         exhausted = self._dataloader_iter is None and not self._sample_buffer
         return out, pass_rate, consumed, exhausted
+
+    def _fill(self, chunk: int, **generate_kwargs) -> tuple[int, float | None]:
+        """Roll out prompts until the generation batch's samples are in (as OpenRLHF's
+        ``_generate_vllm``: prompts whose groups dynamic filtering removed, or whose groups
+        were dropped for a failed episode, are replaced with new prompts while the dataset
+        lasts). Returns (prompts consumed, filter pass rate in % or None)."""
+        from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+
+        n = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
+        gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
+        want = gen_batch * n
+        got, consumed, rolled = [], 0, 0
+        while len(got) < want and self._dataloader_iter is not None:
+            missing = max(1, (want - len(got)) // n)
+            prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, missing)
+            consumed += len(prompts)
+            if prompts:
+                exps, n = self._rollout(prompts, labels, **generate_kwargs)
+                rolled += len(prompts) * n
+                got.extend(self._filtered(exps, n))
+            if exhausted:
+                self._dataloader_iter = None
+            refill = self.args.algo.dynamic_filtering_enable or self.metrics.get("war/groups_dropped", 0) > 0
+            if not refill or not prompts:
+                break
+        if len(got) < want:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "rollout batch short: %d of %d samples after filtering / dropped groups (the dataset ran out)",
+                len(got), want)
+        self._sample_buffer.extend(got)
+        pass_rate = len(got) / max(rolled, 1) * 100 if self.args.algo.dynamic_filtering_enable and consumed else None
+        return consumed, pass_rate
 
     def generate_eval_samples(self, **generate_kwargs):
         from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
