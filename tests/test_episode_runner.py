@@ -159,3 +159,47 @@ def test_experiences_of_one_batch_carry_the_same_info_keys():
     exps = to_experiences([full, bare], max_len=256)
     assert set(exps[0].info) == set(exps[1].info) and "tool_calls" in exps[1].info
     assert float(exps[1].info["tool_calls"][0]) == 0.0 and float(exps[0].info["tool_calls"][0]) == 1.0
+
+
+def test_dropped_groups_are_refilled_with_new_prompts_while_the_dataset_lasts():
+    """As OpenRLHF's generator replaces filtered prompts: a group dropped for a failed episode
+    is replaced by a new prompt's group, so the training step stays full; when the data runs
+    out the batch comes back short, with a warning."""
+    from types import SimpleNamespace as ns
+
+    from war_openrlhf.training.samples_generator import WarSamplesGenerator
+
+    gen = object.__new__(WarSamplesGenerator)
+    gen.args = ns(rollout=ns(batch_size=2, n_samples_per_prompt=2, vllm_generate_batch_size=None),
+                  algo=ns(dynamic_filtering_enable=False), vllm=ns(enable_sleep=False))
+    gen.prompts_dataloader = [(None, [f"p{i}"], [str(i)], [None]) for i in range(5)]  # one prompt per batch
+    gen._dataloader_iter, gen._sample_buffer, gen.metrics = None, [], {}
+    rolled = []
+
+    def rollout(prompts, labels, **kw):
+        rolled.append(list(prompts))
+        kept = [p for p in prompts if p != "p1"]  # p1's group holds a failed episode: dropped
+        gen.metrics = {"war/groups_dropped": float(len(prompts) - len(kept))}
+        return [f"{p}/s{s}" for p in kept for s in range(2)], 2
+
+    gen._rollout = rollout
+    out, _rate, consumed, exhausted = gen.generate_samples()
+    assert rolled == [["p0", "p1"], ["p2"]] and consumed == 3  # p1 replaced by p2
+    assert out == ["p0/s0", "p0/s1", "p2/s0", "p2/s1"] and not exhausted
+    out, _rate, consumed, exhausted = gen.generate_samples()
+    assert out == ["p3/s0", "p3/s1", "p4/s0", "p4/s1"] and consumed == 2
+
+
+def test_agent_calls_in_flight_are_bounded():
+    """max_agent_calls_in_flight: with one slot, four episodes whose steps block 0.2 s each run
+    their steps one after another; with four slots, at once."""
+    async def batch(slots):
+        limiter = asyncio.Semaphore(slots)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run_episode(FakeService(), _agent(block_s=0.2), CharTokenizer(), _cfg(tool_timeout_s=5),
+                                           prompt="Q ", label="5", trajectory_id=f"t{i}", group_id="g",
+                                           limiter=limiter) for i in range(4)))
+        return time.perf_counter() - t0
+
+    serial, parallel = asyncio.run(batch(1)), asyncio.run(batch(4))
+    assert serial >= 0.75 and parallel < 0.6, (serial, parallel)

@@ -37,6 +37,7 @@ class RolloutConfig:
     tool_timeout_s: float = 30.0
     on_tool_error: str = "observe"
     engine_retries: int = 3
+    max_agent_calls_in_flight: int = 256  # agent reset/step calls running at once (each on its episode's thread)
     turn_timeout_s: float = 900.0  # an engine silent this long on one turn is hung: treated as dead
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
@@ -52,7 +53,7 @@ class RolloutConfig:
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
         for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),
-                              ("max_context_tokens", 2), ("engine_retries", 0)):
+                              ("max_context_tokens", 2), ("engine_retries", 0), ("max_agent_calls_in_flight", 1)):
             check_int("RolloutConfig", name, getattr(self, name), minimum)
         check_int("RolloutConfig", "max_new_tokens_per_turn", self.max_new_tokens_per_turn, 1, nullable=True)
         check_int("RolloutConfig", "seed", self.seed, 0, nullable=True)

@@ -81,14 +81,23 @@ class AgentThread:
         finally:
             self._loop.close()
 
-    async def call(self, coro, timeout_s: float):
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+    async def call(self, coro, timeout_s: float, limiter: asyncio.Semaphore | None = None):
+        """Run ``coro`` on this episode's thread; at most ``timeout_s`` seconds from its start.
+        ``limiter``: a slot is taken first (bounding agent calls in flight across episodes) and
+        given back when the call returns or is abandoned at its deadline."""
+        if limiter is not None:
+            await limiter.acquire()
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
-        except asyncio.TimeoutError:
-            fut.cancel()
-            ABANDONED["calls"] += 1
-            raise
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+            except asyncio.TimeoutError:
+                fut.cancel()
+                ABANDONED["calls"] += 1
+                raise
+        finally:
+            if limiter is not None:
+                limiter.release()
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -110,14 +119,14 @@ def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
 
 async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, *,
                       prompt: str, label: Any, trajectory_id: str, group_id: str,
-                      t0: float | None = None) -> Trajectory:
+                      t0: float | None = None, limiter: asyncio.Semaphore | None = None) -> Trajectory:
     """Run one episode to its end; never raises (failures become ``end_reason``/``error``)."""
     t0 = time.perf_counter() if t0 is None else t0
     start = time.perf_counter()
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label)
     agent = AgentThread(trajectory_id)
     try:
-        await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent)
+        await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent, limiter)
     except AgentContractError as exc:  # the agent file's bug: named, never trained on
         traj.end_reason = "agent_error"
         traj.error = f"{exc}"
@@ -133,10 +142,11 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
 
 
 async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, traj: Trajectory,
-               t0: float, agent: AgentThread) -> None:
+               t0: float, agent: AgentThread, limiter: asyncio.Semaphore | None = None) -> None:
     where = f"{cfg.agent_func_path or agent_cls.__name__}: "
     instance = agent_cls()
-    reset = await agent.call(instance.reset({"observation": traj.prompt, "label": traj.label}), cfg.tool_timeout_s)
+    reset = await agent.call(instance.reset({"observation": traj.prompt, "label": traj.label}), cfg.tool_timeout_s,
+                             limiter)
     if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
         raise AgentContractError(f"{where}reset() must return a dict with a str 'observation'")
     observation_text = reset["observation"]
@@ -211,7 +221,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         service.park(traj.trajectory_id, rec.engine)
         t_tool = time.perf_counter()
         try:
-            raw = await agent.call(instance.step(states), cfg.tool_timeout_s)
+            raw = await agent.call(instance.step(states), cfg.tool_timeout_s, limiter)
         except Exception as exc:
             msg = (f"tool timed out after {cfg.tool_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError)
                    else f"{type(exc).__name__}: {exc}")

@@ -358,12 +358,14 @@ class RolloutPool:
 
             bar = tqdm(total=len(prompts) * n, desc="rollout episodes", unit="ep")
 
+        limiter = asyncio.Semaphore(self.config.max_agent_calls_in_flight)
+
         async def one(p: int, s: int) -> Trajectory:
             tid = f"b{b}-p{p}-s{s}"
             for attempt in range(self.config.engine_retries + 1):
                 traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
                                          label=labels[p], trajectory_id=tid if not attempt else f"{tid}-r{attempt}",
-                                         group_id=f"b{b}-p{p}", t0=t0)
+                                         group_id=f"b{b}-p{p}", t0=t0, limiter=limiter)
                 self.policy.on_trajectory_finished(traj.trajectory_id)
                 # an engine or environment failure is retried from the start (on whichever engine the
                 # dispatcher picks); an agent file's contract error would fail again: not retried
