@@ -221,3 +221,18 @@ def test_agent_calls_in_flight_are_bounded():
 
     assert peak(1) == 1 and peak(2) == 2
     assert peak(6) > 2  # not serialised when slots allow
+
+
+def test_a_step_mixing_two_rollout_batches_has_uniform_info_keys():
+    """A refilled step holds samples of two rollout batches whose scalars differ (found by the
+    soak: 'war/warm_up_s' rides on the first batch only and OpenRLHF's batching raised KeyError)."""
+    from war_openrlhf.rollout import to_experiences
+    from war_openrlhf.training.samples_generator import attach_metrics, uniform_info
+
+    a = asyncio.run(_episode(FakeService(), _agent(), _cfg()))
+    b = asyncio.run(_episode(FakeService(), _agent(), _cfg(), "t1"))
+    first = attach_metrics(to_experiences([a], 256), {"war/warm_up_s": 1.5, "war/turns": 1.0})
+    second = attach_metrics(to_experiences([b], 256), {"war/turns": 2.0})
+    step = uniform_info(first + second)
+    assert set(step[0].info) == set(step[1].info)
+    assert float(step[1].info["war/warm_up_s"][0]) == 0.0 and float(step[0].info["war/warm_up_s"][0]) == 1.5

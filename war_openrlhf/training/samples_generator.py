@@ -170,6 +170,22 @@ def attach_metrics(experiences: list, metrics: dict[str, float]) -> list:
     return experiences
 
 
+def uniform_info(experiences: list) -> list:
+    """Every experience of a training step with the same ``info`` keys (a missing one 0.0).
+
+    OpenRLHF batches a step's experiences and needs each ``info`` key in all of them; a step
+    can hold samples of two rollout batches (a dropped or filtered group's prompt replaced),
+    whose scalars differ (the warm-up time rides on the first batch only)."""
+    import torch
+
+    infos = [e.info for e in experiences if isinstance(getattr(e, "info", None), dict)]
+    keys = set().union(*infos) if infos else set()
+    for info in infos:
+        for k in keys - set(info):
+            info[k] = torch.zeros(1)
+    return experiences
+
+
 def run_coroutine(coro):
     """Run ``coro`` to completion from sync code, even inside a running event loop (an async
     Ray actor): then on a fresh loop in a helper thread."""
@@ -283,7 +299,7 @@ class WarSamplesGenerator:
             finally:
                 if sleep_mode:
                     batch_vllm_engine_call(self.vllm_engines, "sleep")
-        out = self._sample_buffer[:chunk]
+        out = uniform_info(self._sample_buffer[:chunk])
         self._sample_buffer = self._sample_buffer[chunk:]
         exhausted = self._dataloader_iter is None and not self._sample_buffer
         return out, pass_rate, consumed, exhausted
