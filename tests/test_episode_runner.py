@@ -236,3 +236,27 @@ def test_a_step_mixing_two_rollout_batches_has_uniform_info_keys():
     step = uniform_info(first + second)
     assert set(step[0].info) == set(step[1].info)
     assert float(step[1].info["war/warm_up_s"][0]) == 0.0 and float(step[0].info["war/warm_up_s"][0]) == 1.5
+
+
+def test_a_refilled_steps_dropped_groups_are_summed_not_averaged():
+    from types import SimpleNamespace as ns
+
+    import torch
+
+    from war_openrlhf.training.samples_generator import WarSamplesGenerator
+
+    gen = object.__new__(WarSamplesGenerator)
+    gen.args = ns(rollout=ns(batch_size=2, n_samples_per_prompt=1, vllm_generate_batch_size=None),
+                  algo=ns(dynamic_filtering_enable=False), vllm=ns(enable_sleep=False))
+    gen.prompts_dataloader = [(None, [f"p{i}"], [str(i)], [None]) for i in range(6)]
+    gen._dataloader_iter, gen._sample_buffer, gen.metrics = None, [], {}
+    dropped = {"p0": 1, "p1": 0, "p2": 1, "p3": 0}  # p0 and p2 dropped
+
+    def rollout(prompts, labels, **kw):
+        gen.metrics = {"war/groups_dropped": float(sum(dropped.get(p, 0) for p in prompts))}
+        return [ns(info={"war/groups_dropped": torch.tensor([gen.metrics["war/groups_dropped"]])})
+                for p in prompts if not dropped.get(p, 0)], 1
+
+    gen._rollout = rollout
+    out, *_ = gen.generate_samples()
+    assert len(out) == 2 and {float(e.info["war/groups_dropped"][0]) for e in out} == {2.0}

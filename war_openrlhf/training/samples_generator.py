@@ -165,8 +165,10 @@ def attach_metrics(experiences: list, metrics: dict[str, float]) -> list:
     import torch
 
     for e in experiences:
-        for k, v in metrics.items():
-            e.info[k] = torch.tensor([float(v)])
+        info = getattr(e, "info", None)
+        if isinstance(info, dict):
+            for k, v in metrics.items():
+                info[k] = torch.tensor([float(v)])
     return experiences
 
 
@@ -315,6 +317,7 @@ class WarSamplesGenerator:
         gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
         want = gen_batch * n
         got, consumed, rolled = [], 0, 0
+        totals = {"war/groups_dropped": 0.0, "war/episode_retries": 0.0}  # counts: summed over the fill's batches
         while len(got) < want and self._dataloader_iter is not None:
             missing = max(1, (want - len(got)) // n)
             prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, missing)
@@ -322,6 +325,8 @@ class WarSamplesGenerator:
             if prompts:
                 exps, n = self._rollout(prompts, labels, **generate_kwargs)
                 rolled += len(prompts) * n
+                for k in totals:
+                    totals[k] += float(self.metrics.get(k, 0.0))
                 got.extend(self._filtered(exps, n))
             if exhausted:
                 self._dataloader_iter = None
@@ -334,7 +339,7 @@ class WarSamplesGenerator:
             logging.getLogger(__name__).warning(
                 "rollout batch short: %d of %d samples after filtering / dropped groups (the dataset ran out)",
                 len(got), want)
-        self._sample_buffer.extend(got)
+        self._sample_buffer.extend(attach_metrics(got, totals))  # one value for the step, not a mean of batches
         pass_rate = len(got) / max(rolled, 1) * 100 if self.args.algo.dynamic_filtering_enable and consumed else None
         return consumed, pass_rate
 
