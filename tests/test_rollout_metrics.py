@@ -84,3 +84,6 @@ def test_running_counters_are_reported_per_batch_not_since_start():
     assert m["war/dispatch_moves"] == 3.0 and m["war/dispatch_deferrals"] == 0.0
     assert m["war/dispatch_step_ms"] == 5.0  # a measurement, not a counter: as it is
     assert m["war/turn_generate_s_mean"] == pytest.approx(0.3) and m["war/turn_tool_s_mean"] == pytest.approx(0.1)
+    deferred = _result()
+    deferred.deferrals, deferred.deferred_wait_s = 4, 2.0
+    assert rollout_metrics(deferred, pool, before, after)["war/deferred_wait_s_mean"] == pytest.approx(0.5)

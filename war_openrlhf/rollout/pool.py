@@ -62,6 +62,7 @@ class BatchResult:
     engine_stats: list[EngineStats] = field(default_factory=list)
     end_reasons: dict[str, int] = field(default_factory=dict)
     episode_retries: int = 0  # episodes re-run after an engine or environment failure
+    deferred_wait_s: float = 0.0  # seconds turns waited, summed, while the dispatcher deferred them (KV short)
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,6 +124,7 @@ class RolloutPool:
         self._redispatched = 0
         self._deferrals = 0
         self._episode_retries = 0
+        self._deferred_wait_s = 0.0
         self._tokens_generated = 0
         self._started_handles = False
         self._background_errors = 0  # failures of the log-sync and stats loops (logged)
@@ -197,8 +199,10 @@ class RolloutPool:
             eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
             if eid == DEFER:
                 self._deferrals += 1
+                waited = time.perf_counter()
                 async with self._turn_done:
                     await self._turn_done.wait()
+                self._deferred_wait_s += time.perf_counter() - waited
                 continue
             eng = self.engines[eid]
             budget = int(sampling_params.get("max_tokens", 0))
@@ -349,6 +353,7 @@ class RolloutPool:
             e.peak_kv_usage = 0.0
         await self._attach_indexes(await self.engine_stats())  # the stats also give the dispatcher KV capacities
         self._redispatched = self._deferrals = self._episode_retries = 0
+        self._deferred_wait_s = 0.0
         turns0 = [e.turns for e in self.engines]
         t0 = time.perf_counter()
         tokens0 = self._tokens_generated
@@ -401,6 +406,7 @@ class RolloutPool:
             prompt_tokens=sum(r.prompt_tokens for t in trajs for r in t.turns),
             cached_tokens=sum(r.cached_tokens for t in trajs for r in t.turns),
             redispatched_turns=self._redispatched, deferrals=self._deferrals, episode_retries=self._episode_retries,
+            deferred_wait_s=self._deferred_wait_s,
             engine_turns=[e.turns - t for e, t in zip(self.engines, turns0)], engine_stats=engine_stats, end_reasons=reasons)
 
     async def warm_up_async(self, prompt: str, label: Any = None) -> float:

@@ -47,6 +47,9 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
         "war/prefix_hit_rate_engine": result.prefix_hit_rate,
         "war/redispatched_turns": float(result.redispatched_turns),
         "war/deferred_turns": float(result.deferrals),
+        # how long deferred turns waited for KV room, per deferral (admission's cost)
+        "war/deferred_wait_s_mean": (float(getattr(result, "deferred_wait_s", 0.0)) / result.deferrals
+                                     if result.deferrals else 0.0),
         "war/episode_turns_mean": float(np.mean([len(t.turns) for t in result.trajectories])),
         "war/episode_tokens_mean": float(np.mean([len(t.token_ids) for t in result.trajectories])),
         "war/reward_mean": float(np.mean([t.reward for t in result.trajectories])),
