@@ -180,14 +180,14 @@ def test_dropped_groups_are_refilled_with_new_prompts_while_the_dataset_lasts():
         rolled.append(list(prompts))
         kept = [p for p in prompts if p != "p1"]  # p1's group holds a failed episode: dropped
         gen.metrics = {"war/groups_dropped": float(len(prompts) - len(kept))}
-        return [f"{p}/s{s}" for p in kept for s in range(2)], 2
+        return [ns(name=f"{p}/s{s}", info={}) for p in kept for s in range(2)], 2
 
     gen._rollout = rollout
     out, _rate, consumed, exhausted = gen.generate_samples()
     assert rolled == [["p0", "p1"], ["p2"]] and consumed == 3  # p1 replaced by p2
-    assert out == ["p0/s0", "p0/s1", "p2/s0", "p2/s1"] and not exhausted
+    assert [e.name for e in out] == ["p0/s0", "p0/s1", "p2/s0", "p2/s1"] and not exhausted
     out, _rate, consumed, exhausted = gen.generate_samples()
-    assert out == ["p3/s0", "p3/s1", "p4/s0", "p4/s1"] and consumed == 2
+    assert [e.name for e in out] == ["p3/s0", "p3/s1", "p4/s0", "p4/s1"] and consumed == 2
 
 
 def test_agent_calls_in_flight_are_bounded():
@@ -227,7 +227,8 @@ def test_a_step_mixing_two_rollout_batches_has_uniform_info_keys():
     """A refilled step holds samples of two rollout batches whose scalars differ (found by the
     soak: 'war/warm_up_s' rides on the first batch only and OpenRLHF's batching raised KeyError)."""
     from war_openrlhf.rollout import to_experiences
-    from war_openrlhf.training.samples_generator import attach_metrics, uniform_info
+    from war_openrlhf.rollout.trajectory import uniform_info
+    from war_openrlhf.training.samples_generator import attach_metrics
 
     a = asyncio.run(_episode(FakeService(), _agent(), _cfg()))
     b = asyncio.run(_episode(FakeService(), _agent(), _cfg(), "t1"))
@@ -260,3 +261,12 @@ def test_a_refilled_steps_dropped_groups_are_summed_not_averaged():
     gen._rollout = rollout
     out, *_ = gen.generate_samples()
     assert len(out) == 2 and {float(e.info["war/groups_dropped"][0]) for e in out} == {2.0}
+
+
+def test_a_pool_with_bad_dispatcher_options_is_refused_before_any_engine_starts():
+    """RolloutPool.start builds the dispatcher first (no Ray is running here: an engine start
+    would fail differently)."""
+    from war_openrlhf.rollout import RolloutPool
+
+    with pytest.raises(ValueError, match="RolloutConfig.dispatch_kwargs: .*bogus"):
+        RolloutPool.start(RolloutConfig(dispatch_kwargs={"bogus": 1}))

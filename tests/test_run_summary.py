@@ -41,3 +41,10 @@ def test_plot_draws_the_side_by_side_panel(tmp_path):
     plot(_scalars([0.1, 0.2], engines=2), without)
     assert with_panel.stat().st_size > 10_000 and without.stat().st_size > 10_000
     assert with_panel.read_bytes() != without.read_bytes()
+    # the repeats' spread is drawn as whiskers: a different picture from the medians alone
+    spread = {"configs": {"openrlhf": {"step_s": 2.0, "x_openrlhf": 1.0, "step_s_spread": [1.5, 2.6]},
+                          "war": {"step_s": 1.0, "x_openrlhf": 2.0, "step_s_spread": [0.8, 1.4]}},
+              "regime": "low load"}
+    whiskers = tmp_path / "c.png"
+    plot(_scalars([0.1, 0.2], engines=2), whiskers, spread)
+    assert whiskers.read_bytes() != with_panel.read_bytes()

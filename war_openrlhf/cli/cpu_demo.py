@@ -95,11 +95,12 @@ def _train(run_cfg: Path, out: Path, t0: float) -> None:
 
 def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_per_engine: int,
                      n_samples: int, max_len: int) -> dict | None:
-    """One synchronous rollout step on the same prompts through OpenRLHF's path and the WAR
-    pool (``tools/bench_rollout.py``, after a warm-up each); its JSON, or None if it failed."""
+    """Synchronous rollout steps on the same prompts through OpenRLHF's path and the WAR pool
+    (``tools/bench_rollout.py``: a warm-up each, then 3 repeats in rotating order; median and
+    spread); its JSON, or None if it failed."""
     js = out / "side_by_side.json"
     cmd = [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--workload", "task:arithmetic_calculator",
-           "--prompts", str(data), "--model", str(model), "--configs", "openrlhf,war", "--repeats", "1",
+           "--prompts", str(data), "--model", str(model), "--configs", "openrlhf,war", "--repeats", "3",
            "--same-engines",
            "--engines", str(engines), "--load", "high", "--high-prompts", str(prompts_per_engine),
            "--n-samples", str(n_samples), "--max-len", str(max_len), "--json", str(js)]
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
     comparison = None
     if not args.no_compare:
-        print("[4/5] side by side: one rollout step, OpenRLHF's path vs the WAR pool, trained policy, "
+        print("[4/5] side by side: rollout steps (median of 3), OpenRLHF's path vs the WAR pool, trained policy, "
               f"same prompts (log: {out / 'side_by_side.log'})", flush=True)
         n = int(o["rollout.n_samples_per_prompt"])
         result = compare_rollouts(out / "model", data, out, int(o["vllm.num_engines"]),
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             r = result.get("regime", {})
             comparison = {"configs": configs,
                           "regime": (f"{r.get('load', '?')} load ({r.get('episodes_per_engine', 0):g} episodes/engine), "
-                                     "no KV pressure, calculator tool (~0 s); 1 step each after a warm-up")}
+                                     "no KV pressure, calculator tool (~0 s); median of 3 steps each after a warm-up")}
     else:
         print("[4/5] side by side: skipped (--no-compare)", flush=True)
 
@@ -179,9 +180,11 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(summary_lines(scalars)))
     if comparison and "openrlhf" in comparison["configs"] and "war" in comparison["configs"]:
         base, war = comparison["configs"]["openrlhf"], comparison["configs"]["war"]
-        print(f"rollout step, same prompts:  openrlhf {base['step_s']:.2f} s, war {war['step_s']:.2f} s "
-              f"-> {base['step_s'] / war['step_s']:.2f}x  (one step each on a shared 2-core CPU: noisy, "
-              "10-25% run to run; docs/benchmarks.md has repeated measurements)")
+        spread = lambda d: "-".join(f"{x:.2f}" for x in d.get("step_s_spread", []))  # noqa: E731
+        print(f"rollout step, same prompts:  openrlhf {base['step_s']:.2f} s ({spread(base)}), war "
+              f"{war['step_s']:.2f} s ({spread(war)}) -> {base['step_s'] / war['step_s']:.2f}x  (median of 3 "
+              "steps each, min-max in brackets; a 2-core CPU shared with the Ray actors is noisy, "
+              "docs/benchmarks.md has longer measurements)")
     print(f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
     print(f"Summary plot:     {png}")
     print(f"Trained policy:   {out / 'model'}")

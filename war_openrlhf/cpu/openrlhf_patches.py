@@ -128,24 +128,17 @@ def _patch_deepspeed_strategy(mod: types.ModuleType) -> None:
     _APPLIED.append(f"{mod.__name__}.DeepspeedStrategy.moving_average: device 'cuda' -> 'cpu' (EMA in training_step)")
     # DeepSpeed's config: bf16 off (float32 training, see _patch_utils) and torch's AdamW
     # instead of FusedAdam, whose CPU build is a C++ JIT compile of about a minute on first use.
-    orig_cfg = strategy.get_ds_train_config
-    if not getattr(orig_cfg, _PATCHED_MARK, False):
+    for name in ("get_ds_train_config", "get_ds_eval_config"):
+        orig = getattr(strategy, name)
+        if getattr(orig, _PATCHED_MARK, False):
+            continue
 
-        @_wraps(orig_cfg)
-        def get_ds_train_config(self, *args, **kwargs):
-            return _float32_torch_adam(orig_cfg(self, *args, **kwargs))
+        def float32_config(self, *args, _orig=orig, **kwargs):
+            return _float32_torch_adam(_orig(self, *args, **kwargs))
 
-        setattr(get_ds_train_config, _PATCHED_MARK, True)
-        strategy.get_ds_train_config = get_ds_train_config
-    orig_eval = strategy.get_ds_eval_config
-    if not getattr(orig_eval, _PATCHED_MARK, False):
-
-        @_wraps(orig_eval)
-        def get_ds_eval_config(self, *args, **kwargs):
-            return _float32_torch_adam(orig_eval(self, *args, **kwargs))
-
-        setattr(get_ds_eval_config, _PATCHED_MARK, True)
-        strategy.get_ds_eval_config = get_ds_eval_config
+        patched = _wraps(orig)(float32_config)
+        setattr(patched, _PATCHED_MARK, True)
+        setattr(strategy, name, patched)
     _APPLIED.append(f"{mod.__name__}.DeepspeedStrategy.get_ds_train/eval_config: bf16 off (float32), "
                     "optimizer torch AdamW instead of the JIT-built FusedAdam")
 

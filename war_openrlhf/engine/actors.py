@@ -71,11 +71,7 @@ def create_war_engines(
     except BaseException as exc:  # a failed or hung start: no engine of the set is left running
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         late = [i for i, r in enumerate(refs) if r not in ready]
-        for h in handles:
-            try:
-                ray.kill(h)
-            except Exception:  # noqa: BLE001
-                pass
+        stop_engines(handles)
         if isinstance(exc, ray.exceptions.GetTimeoutError):
             raise RuntimeError(f"engines {late} did not start within EngineConfig.start_timeout_s="
                                f"{config.start_timeout_s:g} s; every engine of the set was stopped") from None
@@ -83,6 +79,17 @@ def create_war_engines(
     for i, stats in enumerate(started):
         print(f"WAR engine {i} on node {stats.get('node_id', '?')}", flush=True)
     return handles
+
+
+def stop_engines(handles: list[Any]) -> None:
+    """Kill engine actors, whatever state they are in (a failed start, a pool that failed to build)."""
+    import ray
+
+    for h in handles:
+        try:
+            ray.kill(h)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def engine_actor_placement(index: int, cfg: EngineConfig, *, cuda: bool, pg: Any = None, colocated: bool = False,

@@ -116,7 +116,8 @@ def gpu_engine_placement(index: int, tensor_parallel_size: int, *, colocated: bo
     Returns ``(options, env)``: ``options`` holds ``num_cpus``, ``num_gpus`` and
     ``bundle_index``; ``env`` the variables the engine sets before vLLM starts.
     """
-    check_num_engines(tensor_parallel_size)
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size: must be an int >= 1, got {tensor_parallel_size!r}")
     if bundle_indices is None:
         bundle_indices = list(range(index * tensor_parallel_size, (index + 1) * tensor_parallel_size))
     bundle_indices = [int(b) for b in bundle_indices]

@@ -406,12 +406,6 @@ def parse_openrlhf_args(openrlhf_argv: Sequence[str]) -> Any:
     import ray
 
     captured: dict[str, Any] = {}
-    orig_parse = argparse.ArgumentParser.parse_args
-
-    def parse_args(self, args=None, namespace=None):
-        ns = orig_parse(self, args, namespace)
-        captured.setdefault("args", ns)
-        return ns
 
     def no_ray(*_a, **_k):
         # called as train(args)'s first step: its args are the checked, hierarchical namespace
@@ -425,7 +419,6 @@ def parse_openrlhf_args(openrlhf_argv: Sequence[str]) -> Any:
 
     saved = (sys.argv, ray.init, ray.is_initialized)
     sys.argv = ["war-train", *openrlhf_argv]
-    argparse.ArgumentParser.parse_args = parse_args
     argparse.ArgumentParser.error = error
     ray.init, ray.is_initialized = no_ray, (lambda: False)
     try:
@@ -436,15 +429,10 @@ def parse_openrlhf_args(openrlhf_argv: Sequence[str]) -> Any:
         raise ValueError(f"OpenRLHF refused the arguments: {exc or 'an argument check failed'}") from None
     finally:
         sys.argv, ray.init, ray.is_initialized = saved
-        argparse.ArgumentParser.parse_args = orig_parse
         argparse.ArgumentParser.error = orig_error
-    if captured.get("checked") is not None:
-        return captured["checked"]
-    if "args" not in captured:
-        raise RuntimeError("OpenRLHF's train_ppo_ray parsed no arguments; is openrlhf 0.11.2 installed?")
-    from openrlhf.utils.config import hierarchize
-
-    return hierarchize(captured["args"])
+    if captured.get("checked") is None:
+        raise RuntimeError("OpenRLHF's train_ppo_ray reached no train(args); is openrlhf 0.11.2 installed?")
+    return captured["checked"]
 
 
 def run_train_ppo_ray(config: RolloutConfig, openrlhf_argv: Sequence[str]) -> None:

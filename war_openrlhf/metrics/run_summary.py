@@ -104,15 +104,20 @@ def reward_ends(scalars) -> tuple[float | None, float | None]:
 
 
 def _comparison_panel(ax, comparison: dict) -> None:
-    """Bars of one measured rollout step per configuration (``bench_rollout`` JSON summary)."""
+    """Bars of the median rollout step per configuration, min-max whiskers when the
+    ``bench_rollout`` JSON summary has the spread."""
     names = list(comparison["configs"])
     steps = [comparison["configs"][n]["step_s"] for n in names]
-    bars = ax.bar(names, steps, color=["#999999" if n == "openrlhf" else "#1f77b4" for n in names])
+    spreads = [comparison["configs"][n].get("step_s_spread") for n in names]
+    yerr = ([[s - lo for s, (lo, _) in zip(steps, spreads)], [hi - s for s, (_, hi) in zip(steps, spreads)]]
+            if all(spreads) else None)
+    bars = ax.bar(names, steps, yerr=yerr, capsize=4,
+                  color=["#999999" if n == "openrlhf" else "#1f77b4" for n in names])
     for b, n in zip(bars, names):
         x = comparison["configs"][n].get("x_openrlhf")
         ax.annotate(f"{b.get_height():.2f} s" + (f"\n{x:.2f}x" if x else ""), (b.get_x() + b.get_width() / 2,
                     b.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_title("one rollout step, same prompts (s)")
+    ax.set_title("rollout step, same prompts (s, median, min-max)")
     ax.set_ylabel("seconds")
     ax.margins(y=0.25)
     ax.text(0.5, -0.2, comparison.get("regime", ""), ha="center", va="top", transform=ax.transAxes, fontsize=7)

@@ -104,6 +104,9 @@ class EngineClient:
             self.mark_dead(exc)
             raise EngineDead(f"engine {self.index}: {self.error}") from None
 
+    async def reset_prefix_cache(self) -> None:
+        await self._call("reset_prefix_cache")
+
     async def push_log(self, entries: list) -> None:
         await self._call("push_log", entries)
 

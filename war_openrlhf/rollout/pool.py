@@ -134,24 +134,18 @@ class RolloutPool:
     @classmethod
     def start(cls, config: RolloutConfig, **kwargs: Any) -> "RolloutPool":
         """Start the engine actors (Ray must be initialised) and build the pool."""
-        from ..engine.actors import create_war_engines
+        from ..engine.actors import create_war_engines, stop_engines
 
-        if config.dispatch_policy:  # the dispatcher's options are checked before any engine starts
+        if kwargs.get("policy") is None:  # built (its options checked) before any engine starts
             try:
-                make_policy(config.dispatch_policy, config.num_engines, **config.dispatch_kwargs)
-            except (TypeError, ValueError) as exc:
+                kwargs["policy"] = make_policy(config.dispatch_policy, config.num_engines, **config.dispatch_kwargs)
+            except ValueError as exc:
                 raise ValueError(f"RolloutConfig.dispatch_kwargs: {exc}") from None
         handles = create_war_engines(config.num_engines, config.engine, placement_group=True)
         try:
             pool = cls(config, handles, **kwargs)
         except BaseException:  # engines started for a pool that failed to build: stop them
-            import ray
-
-            for h in handles:
-                try:
-                    ray.kill(h)
-                except Exception:  # noqa: BLE001
-                    pass
+            stop_engines(handles)
             raise
         pool._started_handles = True
         return pool
@@ -424,7 +418,7 @@ class RolloutPool:
             await self.run_batch_async([prompt], [label], n_samples_per_prompt=len(self.engines))
         finally:
             self.config.progress = progress
-        await asyncio.gather(*(e.handle.reset_prefix_cache.remote() for e in self.engines if e.healthy))
+        await asyncio.gather(*(e.reset_prefix_cache() for e in self.engines if e.healthy))
         self.policy.on_prefix_cache_reset()
         return time.perf_counter() - t0
 

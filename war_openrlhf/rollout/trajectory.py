@@ -109,17 +109,23 @@ def to_openrlhf_response(traj: Trajectory) -> dict[str, Any]:
 def to_experiences(trajectories: Sequence[Trajectory], max_len: int) -> list:
     """OpenRLHF ``Experience`` objects, built by OpenRLHF's own conversion code.
 
-    Every experience gets the same ``extra_logs`` keys (a key an episode never logged is 0.0):
-    OpenRLHF batches experiences and requires each ``info`` key in all of them (an episode
-    whose tool failed before the agent logged anything would otherwise fail the whole step
-    with "Size of info[...] does not match batch_size")."""
+    Every experience gets the same ``info`` keys (:func:`uniform_info`): an episode whose tool
+    failed before the agent logged anything would otherwise fail the whole step with "Size of
+    info[...] does not match batch_size"."""
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     convert = SamplesGenerator._process_response_into_experience  # uses no instance state
-    keys = sorted({k for t in trajectories for k in t.extra_logs})
-    out = []
-    for t in trajectories:
-        response = to_openrlhf_response(t)
-        response["extra_logs"] = {k: float(t.extra_logs.get(k, 0.0)) for k in keys}
-        out.append(convert(None, response, max_len=max_len))
-    return out
+    return uniform_info([convert(None, to_openrlhf_response(t), max_len=max_len) for t in trajectories])
+
+
+def uniform_info(experiences: list) -> list:
+    """Every experience with the same ``info`` keys (a key one lacks is 0.0): OpenRLHF batches
+    experiences and needs each ``info`` key in all of them. Used per conversion and per
+    training step (a step can hold two rollout batches whose scalars differ)."""
+    import torch
+
+    keys = set().union(*(e.info for e in experiences)) if experiences else set()
+    for e in experiences:
+        for k in keys - set(e.info):
+            e.info[k] = torch.zeros(1)
+    return experiences

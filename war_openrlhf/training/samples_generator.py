@@ -21,13 +21,13 @@ the async trainer alike.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
 
 from ..engine.stats import EngineStats
 from ..rollout import RolloutConfig, RolloutPool, to_experiences
+from ..rollout.trajectory import uniform_info
 
 
 #: The dispatcher's counters that run since its start: reported per batch (differenced).
@@ -168,26 +168,8 @@ def attach_metrics(experiences: list, metrics: dict[str, float]) -> list:
     import torch
 
     for e in experiences:
-        info = getattr(e, "info", None)
-        if isinstance(info, dict):
-            for k, v in metrics.items():
-                info[k] = torch.tensor([float(v)])
-    return experiences
-
-
-def uniform_info(experiences: list) -> list:
-    """Every experience of a training step with the same ``info`` keys (a missing one 0.0).
-
-    OpenRLHF batches a step's experiences and needs each ``info`` key in all of them; a step
-    can hold samples of two rollout batches (a dropped or filtered group's prompt replaced),
-    whose scalars differ (the warm-up time rides on the first batch only)."""
-    import torch
-
-    infos = [e.info for e in experiences if isinstance(getattr(e, "info", None), dict)]
-    keys = set().union(*infos) if infos else set()
-    for info in infos:
-        for k in keys - set(info):
-            info[k] = torch.zeros(1)
+        for k, v in metrics.items():
+            e.info[k] = torch.tensor([float(v)])
     return experiences
 
 
@@ -253,10 +235,9 @@ class WarSamplesGenerator:
         res, before, policy_before = run_coroutine(run())
         self._batches += 1
         kept, dropped_groups = healthy_groups(res.trajectories, n, cfg.on_failed_episode)
-        self._pending_metrics["war/groups_dropped"] = float(dropped_groups)
-        self._pending_metrics["war/episode_retries"] = float(res.episode_retries)
         self.metrics = {**self._pending_metrics,
-                        **rollout_metrics(res, self.pool, before, res.engine_stats, policy_before)}
+                        **rollout_metrics(res, self.pool, before, res.engine_stats, policy_before),
+                        "war/groups_dropped": float(dropped_groups), "war/episode_retries": float(res.episode_retries)}
         self._pending_metrics = {}
         if cfg.dump_dir:
             self._dump(res.trajectories)
@@ -300,7 +281,7 @@ class WarSamplesGenerator:
 
                 batch_vllm_engine_call(self.vllm_engines, "wake_up")
             try:
-                consumed, pass_rate = self._fill(chunk, **generate_kwargs)
+                consumed, pass_rate = self._fill(**generate_kwargs)
             finally:
                 if sleep_mode:
                     batch_vllm_engine_call(self.vllm_engines, "sleep")
@@ -309,7 +290,7 @@ class WarSamplesGenerator:
         exhausted = self._dataloader_iter is None and not self._sample_buffer
         return out, pass_rate, consumed, exhausted
 
-    def _fill(self, chunk: int, **generate_kwargs) -> tuple[int, float | None]:
+    def _fill(self, **generate_kwargs) -> tuple[int, float | None]:
         """Roll out prompts until the generation batch's samples are in (as OpenRLHF's
         ``_generate_vllm``: prompts whose groups dynamic filtering removed, or whose groups
         were dropped for a failed episode, are replaced with new prompts while the dataset
