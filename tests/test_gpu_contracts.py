@@ -217,6 +217,10 @@ def test_openrlhf_flags_reach_the_pools_settings():
     assert off.engine.logprobs_mode is None
     with pytest.raises(ValueError, match="--rollout.max_new_tokens 48 and the WAR setting max_new_tokens_per_turn 64"):
         merge_openrlhf_args(RolloutConfig(max_new_tokens_per_turn=64), _openrlhf_args(rollout__max_new_tokens=48))
+    # a restarted engine could not join OpenRLHF's weight-sync group: refused, reinstate is fine
+    with pytest.raises(ValueError, match="engine_recovery: 'restart'.*weight-sync group"):
+        merge_openrlhf_args(RolloutConfig(engine_recovery="restart"), _openrlhf_args())
+    assert merge_openrlhf_args(RolloutConfig(engine_recovery="reinstate"), _openrlhf_args()).engine_recovery == "reinstate"
 
 
 # ------------------------------------------------------------------ cluster device

@@ -95,7 +95,8 @@ def pool(model_path, agent_file):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    p = RolloutPool.start(_config(model_path, agent_file))
+    # restart: the last test kills an engine and checks that a new actor takes its place
+    p = RolloutPool.start(_config(model_path, agent_file, engine_recovery="restart", recovery_probe_interval_s=1.0))
     try:
         yield p
     finally:
@@ -122,6 +123,10 @@ def test_config_errors_name_the_key(tmp_path):
         RolloutConfig(on_tool_error="ignore")
     with pytest.raises(ValueError, match="dispatch_policy"):
         RolloutConfig(dispatch_policy="fastest")
+    with pytest.raises(ValueError, match="engine_recovery: 'respawn'"):
+        RolloutConfig(engine_recovery="respawn")
+    with pytest.raises(ValueError, match="recovery_probe_interval_s"):
+        RolloutConfig(recovery_probe_interval_s=float("nan"))
     with pytest.raises(ValueError, match="max_context_tokens"):
         RolloutConfig(engine=dict(model="/x", max_model_len=512), max_context_tokens=1024)
     with pytest.raises(ValueError, match="engine.*unknown key 'modle'"):
@@ -329,8 +334,61 @@ def test_async_weight_sync_advances_the_version_from_the_engines(pool):
     assert tuple(dumped) == (version, version)
 
 
+def _wait_for_recovery(p, timeout_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not p._recovered and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert p._recovered, f"no engine recovered within {timeout_s:g} s"
+
+
+def test_a_hung_engine_is_treated_as_dead_then_reinstated(pool):
+    """An engine that stops answering (its process stopped) past ``turn_timeout_s``: its turns
+    go to the other engine and the batch completes; once it answers again (with the current
+    weights) the recovery thread reinstates it and the next batch uses it again."""
+    import signal
+    import threading
+
+    pool.run_batch(["warm"], ["ok"], n_samples_per_prompt=2)  # first-use costs stay out of the 6 s deadline
+    sib = _sibling(pool, turn_timeout_s=6.0, recovery_probe_interval_s=0.5, engine_recovery="reinstate")
+    victim = sib.engines[1]
+    pid = asyncio.run(victim.stats()).pid
+    assert pid and pid != os.getpid()
+
+    def resume():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    async def scenario():
+        task = asyncio.ensure_future(sib.run_batch_async(["h%d" % i for i in range(4)], ["ok"] * 4,
+                                                         n_samples_per_prompt=3))
+        while victim.in_flight == 0 and not task.done():
+            await asyncio.sleep(0.002)
+        assert victim.in_flight > 0
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(12.0, resume).start()
+        return await task
+
+    try:
+        res = asyncio.run(scenario())
+    finally:
+        threading.Timer(12.5, resume).start()  # never leave it stopped
+    assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
+    assert not victim.healthy and "treated as hung" in victim.error
+    assert res.redispatched_turns >= 1
+    _wait_for_recovery(sib, 60)
+    again = sib.run_batch(["h%d" % i for i in range(4)], ["ok"] * 4, n_samples_per_prompt=3)
+    assert again.engines_recovered == 1 and victim.healthy and victim.error is None
+    assert victim.handle is pool.engines[1].handle  # the same actor: reinstated, not restarted
+    assert again.engine_turns[1] > 0 and again.end_reasons == {"done": 12}
+
+
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):
-    """Runs last: it kills engine 1 of the shared pool."""
+    """Runs last: it kills engine 1 of the shared pool; the pool (``engine_recovery: restart``)
+    starts a new actor in its place, which serves the next batch from a re-attached index."""
     import ray
 
     victim = pool.engines[1]
@@ -350,8 +408,15 @@ def test_engine_killed_mid_batch_loses_no_trajectory(pool):
     assert [e.sync_errors for e in pool.engines] == refused, [e.last_sync_error for e in pool.engines]
     assert len(res.trajectories) == 12
     assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
-    assert not victim.healthy and res.redispatched_turns >= 1
+    assert res.redispatched_turns >= 1
     moved = [r for t in res.trajectories for r in t.turns if r.attempts > 1]
     assert moved and all(r.engine == 0 for r in moved)
     for t in res.trajectories:
         t.check()
+    old = victim.handle
+    _wait_for_recovery(pool, 180)
+    again = pool.run_batch(["p%d" % i for i in range(4)], ["ok"] * 4, n_samples_per_prompt=3)
+    assert again.engines_recovered == 1 and victim.healthy and victim.handle is not old
+    assert again.engine_turns[1] > 0 and again.end_reasons == {"done": 12}
+    stats = asyncio.run(pool.engine_stats())
+    assert stats[1].index_owner == pool.pool_id  # the new actor's replica follows this pool's log

@@ -12,6 +12,95 @@ from .engine import WarEngine
 from .launch import check_num_engines, cpu_engine_cores, cpu_engine_env, engine_actor_options, gpu_engine_placement
 
 
+class EngineLauncher:
+    """Starts a set of engine actors, and starts engine ``i`` again after it died or hung.
+
+    It keeps what a start needs (each engine's checked config, the placement group and
+    bundle, the environment), so a restart puts the new actor where the old one was: the
+    same core on CPU, the same GPU bundle on CUDA. See :func:`create_war_engines` for the
+    arguments.
+    """
+
+    def __init__(self, num_engines: int, config: EngineConfig, *, openrlhf_worker: bool = False,
+                 agent_func_path: str | None = None, env: dict[str, str] | None = None,
+                 placement_group: bool = False, shared_pg: Any = None, cuda: bool | None = None) -> None:
+        check_num_engines(num_engines)
+        self.cuda = cluster_device() == "cuda" if cuda is None else cuda
+        cores = cpu_engine_cores(num_engines) if not self.cuda and config.cpu_core is None else None
+        self.configs: list[EngineConfig] = []
+        taken: set[int] = set()
+        for i in range(num_engines):  # check every engine before starting any
+            cfg = replace(config, seed=config.seed + i)
+            if cores is not None:
+                cfg = replace(cfg, cpu_core=cores[i])
+            check_startup(cfg, cuda=self.cuda, taken_cores=taken)  # e.g. one explicit cpu_core for 2 engines
+            if not self.cuda and cfg.cpu_core is not None:
+                taken.add(cfg.cpu_core)
+            self.configs.append(cfg)
+        self.start_timeout_s = config.start_timeout_s
+        self.env = env
+        self.placement_group = placement_group
+        self.shared_pg = shared_pg
+        self.pg = shared_pg
+        self.actor_kwargs = {"openrlhf_worker": openrlhf_worker, "agent_func_path": agent_func_path}
+
+    def _spawn(self, i: int) -> Any:
+        import ray
+
+        options = engine_actor_placement(i, self.configs[i], cuda=self.cuda, pg=self.pg,
+                                         colocated=self.shared_pg is not None, env=self.env)
+        return ray.remote(WarEngine).options(**options).remote(self.configs[i], engine_index=i, **self.actor_kwargs)
+
+    def start_all(self) -> list[Any]:
+        """Start every engine and wait until all serve (``start_timeout_s``); on a failed or
+        hung start no engine of the set is left running."""
+        import ray
+
+        if self.pg is None and self.placement_group:
+            from ray.util.placement_group import placement_group as make_pg
+
+            tp = self.configs[0].tensor_parallel_size
+            bundles = ([{"GPU": 1, "CPU": 1} for _ in range(len(self.configs) * tp)] if self.cuda
+                       else [{"CPU": 1} for _ in self.configs])
+            self.pg = make_pg(bundles, strategy="PACK")
+            ray.get(self.pg.ready(), timeout=600)
+        handles = [self._spawn(i) for i in range(len(self.configs))]
+        refs = [h.start.remote() for h in handles]
+        try:
+            started = ray.get(refs, timeout=self.start_timeout_s)
+        except BaseException as exc:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [i for i, r in enumerate(refs) if r not in ready]
+            stop_engines(handles)
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise RuntimeError(f"engines {late} did not start within EngineConfig.start_timeout_s="
+                                   f"{self.start_timeout_s:g} s; every engine of the set was stopped") from None
+            raise
+        for i, stats in enumerate(started):
+            print(f"WAR engine {i} on node {stats.get('node_id', '?')}", flush=True)
+        return handles
+
+    def restart(self, i: int, old_handle: Any) -> Any:
+        """Kill engine ``i``'s actor (dead or hung) and start a new one in its place (same
+        config, core or GPU bundle); returns the new handle once it serves. Blocking: the pool
+        calls it from a recovery thread. Raises ``RuntimeError`` if the new actor does not
+        start within ``start_timeout_s`` (it is then killed too)."""
+        import ray
+
+        stop_engines([old_handle])
+        handle = self._spawn(i)
+        try:
+            stats = ray.get(handle.start.remote(), timeout=self.start_timeout_s)
+        except BaseException as exc:
+            stop_engines([handle])
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise RuntimeError(f"engine {i}: the restarted actor did not start within "
+                                   f"EngineConfig.start_timeout_s={self.start_timeout_s:g} s") from None
+            raise
+        print(f"WAR engine {i} restarted on node {stats.get('node_id', '?')}", flush=True)
+        return handle
+
+
 def create_war_engines(
     num_engines: int,
     config: EngineConfig,
@@ -34,51 +123,10 @@ def create_war_engines(
     group (``--train.colocate_all`` and friends): the engines go on its bundles with a
     fraction of a GPU each, as OpenRLHF's own engines do, and no group is reserved.
     ``cuda``: the cluster's device (default: :func:`~war_openrlhf.device.cluster_device`).
+    :class:`EngineLauncher` does the work and can restart an engine later.
     """
-    import ray
-
-    check_num_engines(num_engines)
-    if cuda is None:
-        cuda = cluster_device() == "cuda"
-    tp = config.tensor_parallel_size
-    cores = cpu_engine_cores(num_engines) if not cuda and config.cpu_core is None else None
-    configs = []
-    taken: set[int] = set()
-    for i in range(num_engines):  # check every engine before starting any
-        cfg = replace(config, seed=config.seed + i)
-        if cores is not None:
-            cfg = replace(cfg, cpu_core=cores[i])
-        check_startup(cfg, cuda=cuda, taken_cores=taken)  # e.g. one explicit cpu_core for 2 engines
-        if not cuda and cfg.cpu_core is not None:
-            taken.add(cfg.cpu_core)
-        configs.append(cfg)
-    pg = shared_pg
-    if pg is None and placement_group:
-        from ray.util.placement_group import placement_group as make_pg
-
-        bundles = [{"GPU": 1, "CPU": 1} for _ in range(num_engines * tp)] if cuda else [{"CPU": 1} for _ in configs]
-        pg = make_pg(bundles, strategy="PACK")
-        ray.get(pg.ready(), timeout=600)
-    handles = []
-    for i, cfg in enumerate(configs):
-        options = engine_actor_placement(i, cfg, cuda=cuda, pg=pg, colocated=shared_pg is not None, env=env)
-        actor_cls = ray.remote(WarEngine).options(**options)
-        handles.append(actor_cls.remote(cfg, engine_index=i, openrlhf_worker=openrlhf_worker,
-                                        agent_func_path=agent_func_path))
-    refs = [h.start.remote() for h in handles]
-    try:
-        started = ray.get(refs, timeout=config.start_timeout_s)
-    except BaseException as exc:  # a failed or hung start: no engine of the set is left running
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        late = [i for i, r in enumerate(refs) if r not in ready]
-        stop_engines(handles)
-        if isinstance(exc, ray.exceptions.GetTimeoutError):
-            raise RuntimeError(f"engines {late} did not start within EngineConfig.start_timeout_s="
-                               f"{config.start_timeout_s:g} s; every engine of the set was stopped") from None
-        raise
-    for i, stats in enumerate(started):
-        print(f"WAR engine {i} on node {stats.get('node_id', '?')}", flush=True)
-    return handles
+    return EngineLauncher(num_engines, config, openrlhf_worker=openrlhf_worker, agent_func_path=agent_func_path,
+                          env=env, placement_group=placement_group, shared_pg=shared_pg, cuda=cuda).start_all()
 
 
 def stop_engines(handles: list[Any]) -> None:

@@ -363,6 +363,7 @@ class WarEngine:
             "last_sync_error": self._last_sync_error,
             "weight_version": self.weight_version,
             "node_id": _ray_node_id(),
+            "pid": os.getpid(),  # the engine's process (operators: a hung engine's stack, its memory)
         }
         if logger is not None:
             out.update(logger.current)

@@ -152,6 +152,11 @@ def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
             raise ValueError(f"--rollout.max_new_tokens {cap} and the WAR setting max_new_tokens_per_turn "
                              f"{config.max_new_tokens_per_turn} disagree; set one")
         top["max_new_tokens_per_turn"] = int(cap)
+    if config.engine_recovery == "restart":
+        raise ValueError("engine_recovery: 'restart' is for pools that start their own engines; in war-train "
+                         "the engines belong to OpenRLHF's weight-sync group, which a new actor cannot join "
+                         "(it would roll out the model file's weights). Use 'reinstate' (a hung engine that "
+                         "answers again comes back) or 'off'")
     correction = _opt(args, "algo.advantage.is_correction_level", "off")
     engine = engine_settings(config, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
                              seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),

@@ -16,6 +16,7 @@ from ..dispatch import POLICIES
 from ..engine.config import EngineConfig
 
 ON_TOOL_ERROR = ("observe", "end")
+ENGINE_RECOVERY = ("off", "reinstate", "restart")
 
 
 @dataclass
@@ -46,6 +47,8 @@ class RolloutConfig:
     dump_dir: str = ""
     prompt_overflow: str = "truncate"
     on_failed_episode: str = "fail"  # fail: the step fails loudly; drop_group: its GRPO group is dropped
+    engine_recovery: str = "reinstate"  # off | reinstate (a hung engine that answers again) | restart (also a new actor)
+    recovery_probe_interval_s: float = 10.0  # how often a dead-marked engine is probed / a restart retried
 
     def __post_init__(self) -> None:
         if self.on_failed_episode not in ("fail", "drop_group"):
@@ -62,6 +65,11 @@ class RolloutConfig:
                              f"known: {', '.join(sorted(POLICIES))}")
         if not isinstance(self.dispatch_kwargs, dict):
             raise ValueError("RolloutConfig.dispatch_kwargs: must be a mapping of the policy's options")
+        if self.engine_recovery not in ENGINE_RECOVERY:
+            raise ValueError(f"RolloutConfig.engine_recovery: '{self.engine_recovery}' is not one of "
+                             f"{', '.join(ENGINE_RECOVERY)} (off: a dead or hung engine stays out; reinstate: "
+                             "a hung engine that answers again with current weights comes back; restart: "
+                             "also kill a dead or hung engine's actor and start a new one in its place)")
         if self.on_tool_error not in ON_TOOL_ERROR:
             raise ValueError(f"RolloutConfig.on_tool_error: '{self.on_tool_error}' is not one of "
                              f"{', '.join(ON_TOOL_ERROR)} (observe: the error becomes the tool's "
@@ -69,7 +77,8 @@ class RolloutConfig:
         if self.prompt_overflow not in ("truncate", "end"):
             raise ValueError(f"RolloutConfig.prompt_overflow: '{self.prompt_overflow}' is not one of truncate, end "
                              "(truncate: keep the prompt's last tokens, as OpenRLHF does; end: end the episode)")
-        for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s", "turn_timeout_s"):  # seconds
+        for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s", "turn_timeout_s",
+                     "recovery_probe_interval_s"):  # seconds
             check_number("RolloutConfig", name, getattr(self, name), gt=0)
         check_number("RolloutConfig", "temperature", self.temperature, ge=0)
         check_number("RolloutConfig", "top_p", self.top_p, gt=0, le=1)

@@ -76,6 +76,7 @@ class EngineClient:
         self.peak_kv_usage = 0.0  # highest KV-cache usage in a stats report this batch (the pool resets it)
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
+        self.on_dead: Any = None  # called once with this client when it is marked dead (the pool's recovery)
 
     # ------------------------------------------------------------------ calls
     async def _call(self, method: str, *args: Any) -> Any:
@@ -148,6 +149,17 @@ class EngineClient:
 
             logging.getLogger(__name__).warning("engine %d marked dead (%s); its turns go to the other engines",
                                                 self.index, self.error)
+            if self.on_dead is not None:
+                self.on_dead(self)
+
+    def revive(self, handle: Any) -> None:
+        """Back in service: the same actor answering again, or a restarted one (``handle``).
+        The index replica is re-attached by the caller."""
+        self.handle = handle
+        self.healthy = True
+        self.error = None
+        self.last_sync_error = None
+        self.log_sent = 0
 
     def state(self, exclude_parked: int = 0) -> EngineState:
         """The dispatcher's snapshot of this engine."""

@@ -16,8 +16,10 @@ prompt (one GRPO group per prompt), all concurrently on one asyncio loop:
   engine B drafts from its siblings that finished on engine A;
 * **speculation** is switched inside each engine by its own measured load (``engine.speculation:
   auto``); the pool reports the fraction of engine steps that speculated;
-* **faults**: an engine call that fails because the actor died marks the engine unhealthy and
-  re-dispatches the turn (up to ``engine_retries`` times) to a healthy engine; a tool error,
+* **faults**: an engine call that fails because the actor died, or a turn unanswered within
+  ``turn_timeout_s``, marks the engine unhealthy and re-dispatches the turn (up to
+  ``engine_retries`` times) to a healthy engine; a background thread then probes it and, per
+  ``engine_recovery``, brings it back when it answers again or restarts its actor; a tool error,
   a timeout, an over-long context or a broken environment ends or annotates only its own
   episode (:mod:`.episode`). Every episode returns a :class:`~.trajectory.Trajectory`.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -41,7 +44,7 @@ from ..engine.stats import EngineStats
 from ..speculation import CompletedSequence, CompletedSequenceLog
 from .agents import load_agent_class
 from .config import RolloutConfig
-from .engine_client import ENGINE_METHODS, EngineClient, EngineDead, EngineHandle
+from .engine_client import ENGINE_METHODS, EngineClient, EngineDead, EngineHandle, actor_died
 from .episode import run_episode
 from .trajectory import Trajectory
 
@@ -63,6 +66,7 @@ class BatchResult:
     end_reasons: dict[str, int] = field(default_factory=dict)
     episode_retries: int = 0  # episodes re-run after an engine or environment failure
     deferred_wait_s: float = 0.0  # seconds turns waited, summed, while the dispatcher deferred them (KV short)
+    engines_recovered: int = 0  # dead-marked engines back in service during the batch (engine_recovery)
 
     @property
     def tokens_per_s(self) -> float:
@@ -129,28 +133,41 @@ class RolloutPool:
         self._started_handles = False
         self._background_errors = 0  # failures of the log-sync and stats loops (logged)
         self.pool_id = f"pool-{uuid.uuid4().hex[:12]}"  # owner of the engines' index replicas
+        # engine recovery (engine_recovery): a thread per dead-marked engine probes or restarts it
+        # and posts the engine's handle here; the pool's own loop puts it back in service
+        self._launcher = None  # set by start(): the pool can restart the engines it started
+        self._recovery_lock = threading.Lock()
+        self._recovering: set[int] = set()
+        self._recovered: dict[int, tuple[Any, bool]] = {}
+        self._closed = threading.Event()
+        self._engines_recovered = 0
+        for e in self.engines:
+            e.on_dead = self._engine_died
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, config: RolloutConfig, **kwargs: Any) -> "RolloutPool":
         """Start the engine actors (Ray must be initialised) and build the pool."""
-        from ..engine.actors import create_war_engines, stop_engines
+        from ..engine.actors import EngineLauncher, stop_engines
 
         if kwargs.get("policy") is None:  # built (its options checked) before any engine starts
             try:
                 kwargs["policy"] = make_policy(config.dispatch_policy, config.num_engines, **config.dispatch_kwargs)
             except ValueError as exc:
                 raise ValueError(f"RolloutConfig.dispatch_kwargs: {exc}") from None
-        handles = create_war_engines(config.num_engines, config.engine, placement_group=True)
+        launcher = EngineLauncher(config.num_engines, config.engine, placement_group=True)
+        handles = launcher.start_all()
         try:
             pool = cls(config, handles, **kwargs)
         except BaseException:  # engines started for a pool that failed to build: stop them
             stop_engines(handles)
             raise
         pool._started_handles = True
+        pool._launcher = launcher
         return pool
 
     def shutdown(self) -> None:
+        self._closed.set()  # recovery threads stop probing
         if not self._started_handles:
             return
         import ray
@@ -189,6 +206,8 @@ class RolloutPool:
                               arrival_s=time.monotonic())
         attempts = 0
         while True:
+            if self._recovered:
+                await self._install_recovered()
             states = [e.state() for e in self.engines]
             eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
             if eid == DEFER:
@@ -235,6 +254,87 @@ class RolloutPool:
             self.log.append(CompletedSequence.create(trajectory_id, group_id, version, ctx, response))
             await self._notify()
             return out
+
+    # ------------------------------------------------------------------ engine recovery
+    def _engine_died(self, engine: EngineClient) -> None:
+        """An engine was marked dead (its actor died, or a turn went unanswered): unless
+        ``engine_recovery`` is off, a background thread probes it and restarts it if asked.
+        Only Ray actors are recovered (an in-process engine dies with its process)."""
+        if self.config.engine_recovery == "off" or not engine.remote or self._closed.is_set():
+            return
+        with self._recovery_lock:
+            if engine.index in self._recovering:
+                return
+            self._recovering.add(engine.index)
+        threading.Thread(target=self._recover, args=(engine.index, engine.handle), daemon=True,
+                         name=f"war-recover-engine{engine.index}").start()
+
+    def _recover(self, index: int, handle: Any) -> None:
+        """Runs on its own thread (batches come and go on short-lived event loops; a restart
+        takes longer than a batch). Probes the engine's ``stats``: an answer with the current
+        weights means it was hung and is back; otherwise, with ``engine_recovery: restart`` on a
+        pool that started its engines and whose weights are still the model file's, its actor
+        is replaced. Retries every ``recovery_probe_interval_s`` until it succeeds, the actor is
+        gone for good, or the pool shuts down."""
+        import ray
+
+        restart = self.config.engine_recovery == "restart" and self._launcher is not None
+        probe_s = min(self.config.turn_timeout_s, 30.0)
+        try:
+            while not self._closed.is_set():
+                wire, gone = None, False
+                try:
+                    wire = ray.get(handle.stats.remote(), timeout=probe_s)
+                except Exception as exc:  # noqa: BLE001 - hung (timeout) or gone (actor died)
+                    gone = actor_died(exc)
+                if wire is not None and int(wire.get("weight_version", 0)) >= self.policy_version:
+                    self._post_recovered(index, handle, restarted=False)
+                    return
+                if restart and self.policy_version == 0:
+                    try:
+                        new = self._launcher.restart(index, handle)
+                    except Exception as exc:  # noqa: BLE001 - retried after the interval
+                        log.warning("engine %d: restart failed (%s); retrying in %g s", index, exc,
+                                    self.config.recovery_probe_interval_s)
+                    else:
+                        self._post_recovered(index, new, restarted=True)
+                        return
+                elif gone or wire is not None:  # gone, or answering with weights a sync moved past
+                    why = ("its actor is gone" if gone else
+                           f"it answers with weights {wire.get('weight_version')} < {self.policy_version}")
+                    hint = ("a new actor would roll out the model file's weights, not the trained ones"
+                            if restart else "engine_recovery: restart starts a new actor in pools that started their engines")
+                    log.warning("engine %d stays out of service: %s (%s)", index, why, hint)
+                    return
+                self._closed.wait(self.config.recovery_probe_interval_s)
+        finally:
+            with self._recovery_lock:
+                self._recovering.discard(index)
+
+    def _post_recovered(self, index: int, handle: Any, restarted: bool) -> None:
+        with self._recovery_lock:
+            self._recovered[index] = (handle, restarted)
+
+    async def _install_recovered(self) -> None:
+        """Put engines the recovery threads brought back into service (on the pool's loop):
+        healthy again, index replica re-attached to this pool's log; after a restart the
+        dispatcher forgets its model of the caches (the new engine's is empty)."""
+        with self._recovery_lock:
+            items = list(self._recovered.items())
+            self._recovered.clear()
+        for index, (handle, restarted) in items:
+            e = self.engines[index]
+            e.revive(handle)
+            if restarted:
+                self.policy.on_prefix_cache_reset()
+            if self.config.engine.speculation != "vllm_suffix":
+                try:
+                    await e.reset_index(self.pool_id, self.log.first_seq - 1)
+                except EngineDead:
+                    continue
+                e.log_sent = self.log.first_seq - 1
+            self._engines_recovered += 1
+            log.warning("engine %d %s: back in service", index, "restarted" if restarted else "answers again")
 
     # ------------------------------------------------------------------ index sync & stats
     async def sync_log(self, flush: bool = False) -> None:
@@ -345,6 +445,9 @@ class RolloutPool:
         self.policy.start_batch()
         for e in self.engines:
             e.peak_kv_usage = 0.0
+        recovered0 = self._engines_recovered
+        if self._recovered:
+            await self._install_recovered()
         await self._attach_indexes(await self.engine_stats())  # the stats also give the dispatcher KV capacities
         self._redispatched = self._deferrals = self._episode_retries = 0
         self._deferred_wait_s = 0.0
@@ -400,7 +503,7 @@ class RolloutPool:
             prompt_tokens=sum(r.prompt_tokens for t in trajs for r in t.turns),
             cached_tokens=sum(r.cached_tokens for t in trajs for r in t.turns),
             redispatched_turns=self._redispatched, deferrals=self._deferrals, episode_retries=self._episode_retries,
-            deferred_wait_s=self._deferred_wait_s,
+            deferred_wait_s=self._deferred_wait_s, engines_recovered=self._engines_recovered - recovered0,
             engine_turns=[e.turns - t for e, t in zip(self.engines, turns0)], engine_stats=engine_stats, end_reasons=reasons)
 
     async def warm_up_async(self, prompt: str, label: Any = None) -> float:

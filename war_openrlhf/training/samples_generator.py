@@ -104,6 +104,8 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     for i, s in enumerate(after):
         m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
     m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
+    m["war/engines_healthy"] = float(sum(e.healthy for e in pool.engines))
+    m["war/engines_recovered"] = float(getattr(result, "engines_recovered", 0))
     m["war/index_sync_lag_records"] = float(sum(s.sync_lag_records for s in after))
     index = [(s.war.get("index") or {}) for s in after]
     for key, name in (("records", "index_records"), ("indexed_tokens", "index_tokens"),
@@ -301,7 +303,8 @@ class WarSamplesGenerator:
         gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
         want = gen_batch * n
         got, consumed, rolled = [], 0, 0
-        totals = {"war/groups_dropped": 0.0, "war/episode_retries": 0.0}  # counts: summed over the fill's batches
+        totals = {"war/groups_dropped": 0.0, "war/episode_retries": 0.0,  # counts: summed over the fill's batches
+                  "war/engines_recovered": 0.0}
         while len(got) < want and self._dataloader_iter is not None:
             missing = max(1, (want - len(got)) // n)
             prompts, labels, _images, exhausted = _collect_prompt_batch(self._dataloader_iter, missing)
