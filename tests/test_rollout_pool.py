@@ -82,7 +82,7 @@ def model_path() -> Path:
 
 def _config(model_path, agent_file, **kw):
     base = dict(num_engines=2, engine=dict(model=str(model_path), dtype="float32", max_model_len=2048,
-                                           enforce_eager=True, num_speculative_tokens=8),
+                                           enforce_eager=True, num_speculative_tokens=8, kv_events=True),
                 agent_func_path=str(agent_file), n_samples_per_prompt=3, max_turns=5,
                 max_context_tokens=1024, max_new_tokens_per_turn=32, seed=3, progress=False,
                 tool_timeout_s=2.0)
@@ -332,6 +332,37 @@ def test_async_weight_sync_advances_the_version_from_the_engines(pool):
     assert {(s.war.get("index") or {}).get("policy_version") for s in stats} == {version}
     dumped = res.trajectories[0].to_dict()["turns"][0]["policy_versions"]
     assert tuple(dumped) == (version, version)
+
+
+def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
+    """The engines publish vLLM's KV-cache events (ZMQ) and return them with each turn; a pool
+    with ``kv_events`` hands them to the dispatcher. An engine's cache emptied behind the
+    dispatcher's back (reset_prefix_cache, not through the pool) is then known to be empty:
+    without events the model would still claim the old contexts."""
+    sib = _sibling(pool, kv_events=True, record_cache_estimates=True)
+    res = sib.run_batch(["kv-a%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
+    turns = [r for t in res.trajectories for r in t.turns]
+    assert turns and all(r.estimated_cached_tokens is not None for r in turns)
+    stats = asyncio.run(sib.engine_stats())
+    for s in stats:
+        assert s.kv_events["blocks"] > 0 and s.kv_events["errors"] == 0 and s.kv_events["unresolved"] == 0, s.kv_events
+
+    def on_engine0(result):  # contexts whose last turn ran on engine 0 (what its cache should hold)
+        ctxs = [np.asarray(t.token_ids[:-1], dtype=np.int32) for t in result.trajectories if t.turns[-1].engine == 0]
+        assert ctxs, "no trajectory ended on engine 0"
+        return ctxs
+
+    old = on_engine0(res)
+    assert max(sib.policy.estimated_cached_tokens(0, c) for c in old) > 0
+    blind = _sibling(pool)  # the same engines, no events: the model only learns from its own choices
+    old_blind = on_engine0(blind.run_batch(["kv-a%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3))
+    assert max(blind.policy.estimated_cached_tokens(0, c) for c in old_blind) > 0
+    asyncio.run(sib.engines[0].reset_prefix_cache())  # behind both dispatchers' backs
+    later = sib.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
+    blind.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
+    assert later.engine_turns[0] > 0  # a turn on engine 0 brought its AllBlocksCleared
+    assert max(sib.policy.estimated_cached_tokens(0, c) for c in old) == 0
+    assert max(blind.policy.estimated_cached_tokens(0, c) for c in old_blind) > 0  # stale without events
 
 
 def _wait_for_recovery(p, timeout_s: float) -> None:

@@ -28,6 +28,11 @@ Configurations (``--configs``):
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
 * ``war_sched_only``: ``war`` dispatch, speculation ``off``.
+* ``war_kv_events``: ``war`` whose model of each engine's prefix cache is corrected by vLLM's
+  KV-cache events (``kv_events``: what the engine stored and evicted) instead of only its own
+  block-hash bookkeeping. Every WAR configuration records the dispatcher's estimate of each
+  turn's cached prefix against the engine's report (``cache_estimate`` in the JSON: exact /
+  over / under, both ways in tokens).
 * ``war_sticky``, ``war_sglang_cache_aware``, ``war_dynamo_kv``, ``war_verl_kv_aware``: the
   WAR pool (speculation ``auto``) under verl's sticky, SGLang's cache-aware, NVIDIA Dynamo's
   KV and verl's KV-cache-aware routers, so the routers differ and nothing else.
@@ -74,7 +79,9 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_sglang_cache_aware": ("sglang_cache_aware", "auto"),
     "war_dynamo_kv": ("dynamo_kv", "auto"),
     "war_verl_kv_aware": ("verl_kv_aware", "auto"),
+    "war_kv_events": ("war", "auto"),  # war whose cache model is corrected by vLLM's KV events
 }
+KV_EVENT_CONFIGS = ("war_kv_events",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
 
@@ -156,7 +163,8 @@ def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> l
 SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
                 "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
-                "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True)}
+                "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True),
+                "war_kv_events": ("war", True)}
 
 
 def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict) -> dict:
@@ -226,6 +234,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
     kw = dict(cfg_kwargs)
     if policy == "least_loaded":
         kw["dispatch_kwargs"] = {"n_samples_per_prompt": n}
+    kw["record_cache_estimates"] = True
+    kw["kv_events"] = name in KV_EVENT_CONFIGS
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
     before = asyncio.run(pool.engine_stats())
@@ -250,7 +260,24 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         "kv_usage_peak": [round(e.peak_kv_usage, 3) for e in pool.engines],
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
         "mean_reward": res.summary()["mean_reward"],
+        "cache_estimate": cache_estimate_errors([r for t in res.trajectories for r in t.turns]),
     }
+
+
+def cache_estimate_errors(turns) -> dict | None:
+    """The dispatcher's estimate of each turn's cached prefix (before it chose) against what
+    the engine reported (vLLM's ``num_cached_tokens``): how often and by how much it was over
+    (it expected a hit the engine did not have: evicted, or never stored) and under."""
+    pairs = [(r.estimated_cached_tokens, r.cached_tokens) for r in turns if r.estimated_cached_tokens is not None]
+    if not pairs:
+        return None
+    over = [e - a for e, a in pairs if e > a]
+    under = [a - e for e, a in pairs if e < a]
+    actual = sum(a for _, a in pairs)
+    return {"turns": len(pairs), "exact": round(1 - (len(over) + len(under)) / len(pairs), 4),
+            "over": round(len(over) / len(pairs), 4), "under": round(len(under) / len(pairs), 4),
+            "over_tokens": sum(over), "under_tokens": sum(under), "cached_tokens": actual,
+            "abs_error_per_cached_token": round((sum(over) + sum(under)) / actual, 4) if actual else None}
 
 
 def _vllm_counters(engines):
@@ -444,7 +471,8 @@ def main(argv=None):
     war_names = [c for c in configs if c in WAR_CONFIGS]
     handles = None
     if war_names or args.same_engines:
-        ecfg = RolloutConfig(**{**cfg_kwargs, "engine": {**engine_kw, "kv_capacity_tokens": kv_tokens}}).engine
+        ecfg = RolloutConfig(**{**cfg_kwargs, "engine": {**engine_kw, "kv_capacity_tokens": kv_tokens,
+                                                           "kv_events": any(c in KV_EVENT_CONFIGS for c in configs)}}).engine
         handles = create_war_engines(args.engines, ecfg, placement_group=True,
                                      agent_func_path=str(agent_file) if args.same_engines else None)
     if war_names:
@@ -542,6 +570,22 @@ def main(argv=None):
               f"{f(d.get('engine_prefix_hit_rate'), '.3f')} | {f(d.get('preemptions'), 'd')} | "
               f"{f(d.get('tokens_per_verification_step'), '.2f')} | {f(d.get('acceptance'), '.2f')} | "
               f"{d.get('speculating_fraction', 'n/a')} | {d.get('kv_usage_peak', 'n/a')} |")
+    ests = {c: [r.get("cache_estimate") for r in results[c] if r.get("cache_estimate")] for c in summary}
+    if any(ests.values()):
+        print("\nThe dispatcher's estimate of each turn's cached prefix vs the engine's report (all runs pooled):\n")
+        print("| config | turns | exact | over (turns) | under (turns) | over tokens | under tokens | "
+              "|error| / cached token |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for c, runs in ests.items():
+            if not runs:
+                continue
+            t = {k: sum(r[k] for r in runs) for k in ("turns", "over_tokens", "under_tokens", "cached_tokens")}
+            ex = sum(r["exact"] * r["turns"] for r in runs) / t["turns"]
+            ov = sum(r["over"] * r["turns"] for r in runs) / t["turns"]
+            un = sum(r["under"] * r["turns"] for r in runs) / t["turns"]
+            err = (t["over_tokens"] + t["under_tokens"]) / t["cached_tokens"] if t["cached_tokens"] else None
+            print(f"| {c} | {t['turns']} | {ex:.3f} | {ov:.3f} | {un:.3f} | {t['over_tokens']:,} | "
+                  f"{t['under_tokens']:,} | {f(err, '.4f')} |")
     if simulated:
         print("\n| config | measured x openrlhf | simulated x openrlhf | simulated / measured |")
         print("|---|---:|---:|---:|")

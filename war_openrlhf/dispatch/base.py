@@ -134,6 +134,14 @@ class DispatchPolicy(abc.ABC):
         """Every engine's prefix cache was emptied (a weight sync: KV computed with the old
         weights is invalid). Policies that model the engines' caches forget them here."""
 
+    def on_kv_events(self, engine_id: int, events: list) -> None:
+        """What the engine's prefix cache stored and evicted since its last report (vLLM's KV
+        events, :mod:`war_openrlhf.engine.kv_events`). Policies that model the caches correct
+        their model here; the rest ignore it."""
+        index = getattr(self, "index", None)
+        if index is not None and hasattr(index, "apply_kv_events"):
+            index.apply_kv_events(engine_id, events)
+
     def observe_turn(self, engine_id: int, *, prompt_tokens: int, cached_tokens: int,
                      response_tokens: int, latency_s: float, batch: int,
                      trajectory_id: str = "") -> None:

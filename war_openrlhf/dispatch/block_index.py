@@ -201,6 +201,41 @@ class BlockHashIndex:
             else:
                 del holders[h]
 
+    def remove(self, engine: int, hashes: Iterable[int]) -> int:
+        """The engine evicted these blocks (vLLM's ``BlockRemoved``); returns how many were held."""
+        od = self.lru[engine]
+        clear = ~(1 << engine)
+        holders = self.holders
+        n = 0
+        for h in hashes:
+            if h in od:
+                del od[h]
+                n += 1
+                m = holders[h] & clear
+                if m:
+                    holders[h] = m
+                else:
+                    del holders[h]
+        return n
+
+    def clear(self, engine: int) -> None:
+        """The engine's prefix cache was emptied (``AllBlocksCleared``)."""
+        self.remove(engine, list(self.lru[engine]))
+
+    def apply_kv_events(self, engine: int, events: Iterable) -> None:
+        """Correct the model of ``engine``'s cache with what it reported
+        (:mod:`war_openrlhf.engine.kv_events` deltas: ``stored`` chains, ``removed`` hashes,
+        ``cleared``), in order."""
+        for kind, hashes in events:
+            if kind == "stored":
+                self.touch(engine, list(hashes))
+            elif kind == "removed":
+                self.remove(engine, hashes)
+            elif kind == "cleared":
+                self.clear(engine)
+            else:
+                raise ValueError(f"KV event kind {kind!r}: expected stored, removed or cleared")
+
     def cached_blocks(self, engine: int) -> int:
         return len(self.lru[engine])
 

@@ -55,6 +55,7 @@ class EngineConfig:
     logprobs_mode: str | None = None  # vLLM's logprobs_mode; None: vLLM's default (raw_logprobs)
     full_determinism: bool = False  # vLLM in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), as OpenRLHF
     start_timeout_s: float = 1800.0  # an engine not serving by then failed to start (model download included)
+    kv_events: bool = False  # publish vLLM's KV-cache events and return them with each turn (engine/kv_events.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):
@@ -84,6 +85,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_space_gib: must be > 0, got {self.kv_cache_space_gib}")
         if not self.start_timeout_s > 0:
             raise ValueError(f"EngineConfig.start_timeout_s: must be > 0, got {self.start_timeout_s}")
+        if self.kv_events and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.kv_events: vLLM reports KV-cache events only with prefix caching; "
+                             "set enable_prefix_caching: true")
         if self.sync_max_lag_seconds < 0:
             raise ValueError(f"EngineConfig.sync_max_lag_seconds: must be >= 0, got {self.sync_max_lag_seconds}")
 

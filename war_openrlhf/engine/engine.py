@@ -148,6 +148,7 @@ class WarEngine:
         self._flusher: asyncio.Task | None = None
         self.llm = None
         self._stats_logger = None
+        self._kv_events = None  # KvEventSubscriber when config.kv_events
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -156,6 +157,15 @@ class WarEngine:
 
         cfg = self.config
         kwargs = vllm_engine_kwargs(cfg, cuda=self.cuda, openrlhf_worker=self._openrlhf_worker)
+        endpoint = None
+        if cfg.kv_events:  # vLLM publishes what its prefix cache stores and evicts; read back here
+            from vllm.config import KVEventsConfig
+
+            from .kv_events import kv_events_endpoint
+
+            endpoint = kv_events_endpoint()
+            kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                        endpoint=endpoint, topic="war")
         holder: dict[str, _SchedulerStatsLogger] = {}
 
         def factory(vllm_config, engine_index=0):
@@ -173,6 +183,10 @@ class WarEngine:
                 "gpu_memory_utilization (GPU)"
             ) from exc
         self._stats_logger = holder.get("logger")
+        if endpoint is not None:
+            from .kv_events import KvEventSubscriber
+
+            self._kv_events = KvEventSubscriber(endpoint, topic="war").start()
         self._flush_lock = asyncio.Lock()
         await self._check_sampler()
         if cfg.speculation != "vllm_suffix":
@@ -212,6 +226,8 @@ class WarEngine:
     async def shutdown(self) -> None:
         if self._flusher is not None:
             self._flusher.cancel()
+        if self._kv_events is not None:
+            self._kv_events.stop()
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
@@ -263,6 +279,8 @@ class WarEngine:
             # the weights that produced this turn: one version, or two when a weight sync
             # landed mid-turn (OpenRLHF's partial rollouts pause and resume generation around it)
             "weight_versions": [version_at_start, self.weight_version],
+            # what the prefix cache stored and evicted since the last turn (config.kv_events)
+            "kv_events": self._kv_events.drain() if self._kv_events is not None else None,
         }
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -365,6 +383,8 @@ class WarEngine:
             "node_id": _ray_node_id(),
             "pid": os.getpid(),  # the engine's process (operators: a hung engine's stack, its memory)
         }
+        if self._kv_events is not None:
+            out["kv_events"] = self._kv_events.stats()
         if logger is not None:
             out.update(logger.current)
             out.update(logger.totals)

@@ -45,6 +45,7 @@ class EngineStats:
     sync_lag_records: int = 0
     sync_errors: int = 0
     pid: int | None = None  # the engine's process
+    kv_events: dict[str, int] = field(default_factory=dict)  # KvEventSubscriber.stats() (config.kv_events)
     war: dict[str, Any] = field(default_factory=dict, repr=False)  # the replica's own report, unparsed
 
     @classmethod
@@ -64,7 +65,7 @@ class EngineStats:
             spec_step_fraction=switch.get("spec_step_fraction"),
             index_applied_seq=index.get("applied_seq"), index_owner=d.get("index_owner"),
             sync_lag_records=int(d.get("sync_lag_records", 0)), sync_errors=int(d.get("sync_errors", 0)),
-            pid=int(d["pid"]) if d.get("pid") else None, war=war,
+            pid=int(d["pid"]) if d.get("pid") else None, kv_events=dict(d.get("kv_events") or {}), war=war,
         )
 
     def minus(self, before: "EngineStats") -> dict[str, int]:

@@ -7,7 +7,7 @@ dispatch policy, and the episode limits. A bad key or type names the key and the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ class RolloutConfig:
     dump_dir: str = ""
     prompt_overflow: str = "truncate"
     on_failed_episode: str = "fail"  # fail: the step fails loudly; drop_group: its GRPO group is dropped
+    kv_events: bool = False  # the dispatcher corrects its model of each engine's cache with vLLM's KV events
+    record_cache_estimates: bool = False  # benchmarks: each turn records the dispatcher's estimate of its cached prefix
     engine_recovery: str = "reinstate"  # off | reinstate (a hung engine that answers again) | restart (also a new actor)
     recovery_probe_interval_s: float = 10.0  # how often a dead-marked engine is probed / a restart retried
 
@@ -55,6 +57,8 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.on_failed_episode: '{self.on_failed_episode}' is not one of fail, drop_group")
         if isinstance(self.engine, dict):
             self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
+        if self.kv_events and not self.engine.kv_events:  # the engines must publish what the dispatcher reads
+            self.engine = replace(self.engine, kv_events=True)
         for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),
                               ("max_context_tokens", 2), ("engine_retries", 0), ("max_agent_calls_in_flight", 1)):
             check_int("RolloutConfig", name, getattr(self, name), minimum)

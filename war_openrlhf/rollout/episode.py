@@ -211,7 +211,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                          cached_tokens=int(out.get("num_cached_tokens", 0)),
                          finish_reason=str(out.get("finish_reason")), dispatched_s=dispatched - t0,
                          generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)),
-                         policy_versions=_versions(out))
+                         policy_versions=_versions(out), estimated_cached_tokens=out.get("estimated_cached_tokens"))
         traj.turns.append(rec)
         traj.truncated = out.get("finish_reason") == "length"
 

@@ -209,6 +209,7 @@ class RolloutPool:
             if self._recovered:
                 await self._install_recovered()
             states = [e.state() for e in self.engines]
+            estimates = self._cache_estimates(ctx, states) if self.config.record_cache_estimates else None
             eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
             if eid == DEFER:
                 self._deferrals += 1
@@ -237,6 +238,11 @@ class RolloutPool:
                 eng.queued_tokens -= budget
             out["engine"] = eid
             out["attempts"] = attempts
+            if estimates is not None:
+                out["estimated_cached_tokens"] = estimates.get(eid)
+            events = out.pop("kv_events", None)
+            if events and self.config.kv_events:
+                self.policy.on_kv_events(eid, events)
             eng.turns += 1
             self._tokens_generated += len(out["token_ids"])
             response = np.asarray(out["token_ids"], dtype=np.int32)
@@ -254,6 +260,21 @@ class RolloutPool:
             self.log.append(CompletedSequence.create(trajectory_id, group_id, version, ctx, response))
             await self._notify()
             return out
+
+    def _cache_estimates(self, ctx: np.ndarray, states: Sequence[EngineState]) -> dict[int, int] | None:
+        """The dispatcher's estimate of each healthy engine's cached prefix of ``ctx`` before it
+        chooses (choosing updates its model), capped as vLLM caps a hit: whole blocks of all but
+        the last prompt token. None for policies that keep no model of the caches."""
+        from ..dispatch.block_index import whole_blocks
+
+        out = {}
+        for s in states:
+            if s.healthy:
+                est = self.policy.estimated_cached_tokens(s.engine_id, ctx)
+                if est is None:
+                    return None
+                out[s.engine_id] = min(int(est), whole_blocks(max(len(ctx) - 1, 0), s.kv_block_size))
+        return out
 
     # ------------------------------------------------------------------ engine recovery
     def _engine_died(self, engine: EngineClient) -> None:

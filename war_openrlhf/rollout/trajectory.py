@@ -42,6 +42,8 @@ class TurnRecord:
     # weight versions the turn ran under (engine's count of weight syncs): one, or the
     # first and last when a sync landed mid-turn (OpenRLHF's partial rollouts)
     policy_versions: tuple[int, int] = (0, 0)
+    # the dispatcher's estimate of cached_tokens on this engine before the turn (record_cache_estimates)
+    estimated_cached_tokens: int | None = None
 
 
 @dataclass
