@@ -68,7 +68,7 @@ def test_war_train_joins_a_two_node_cluster_and_engines_land_on_the_worker(two_n
         "data.max_len": 512, "rollout.batch_size": 2, "rollout.n_samples_per_prompt": 2,
         "rollout.micro_batch_size": 2, "train.batch_size": 4, "train.micro_batch_size": 2,
         "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
-        "ckpt.output_dir": str(tmp_path / "model")})
+        "ckpt.output_dir": str(tmp_path / "model"), "algo.kl.init_coef": 0.0})  # no reference model actor
     cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 16, "progress": False, "warm_up": False})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--ray-address", address,

@@ -232,7 +232,7 @@ def test_async_trainer_runs_with_the_war_pool(tmp_path):
                             "rollout.n_samples_per_prompt": 2, "rollout.micro_batch_size": 2,
                             "train.batch_size": 4, "train.micro_batch_size": 2, "train.async_enable": True,
                             "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
-                            "ckpt.output_dir": str(tmp_path / "model")})
+                            "ckpt.output_dir": str(tmp_path / "model"), "algo.kl.init_coef": 0.0})
     cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 32, "progress": False})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--config", str(tmp_path / "run.yaml")],
