@@ -183,6 +183,10 @@ def test_batch_of_episodes_end_to_end(pool):
         t.check()  # mask == turn ranges, logprobs 0 off the mask, lengths agree
         assert len(t.turns) == 3 and t.reward == 1.0 and t.extra_logs["steps"] == 3.0
         assert all(r.end - r.start > 0 for r in t.turns)
+        # vLLM's request timestamps: the engine-side part of the turn, inside the pool's own timing
+        for r in t.turns:
+            assert r.queue_s is not None and r.prefill_s is not None, r
+            assert 0 <= r.queue_s and 0 < r.prefill_s and r.queue_s + r.prefill_s < r.generate_s, r
         groups.setdefault(t.group_id, []).append(t)
         # environment tokens are exactly the tokenized feedback, between the turns
         fb = pool.tokenizer.decode(t.token_ids[t.turns[0].end:t.turns[1].start])

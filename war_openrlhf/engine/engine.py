@@ -111,6 +111,21 @@ def _ray_node_id() -> str | None:
         return None
 
 
+def _engine_timing(stats: Any) -> dict[str, float]:
+    """Where a turn's time went inside the engine, from vLLM's per-request timestamps (engine
+    core, monotonic; kept when a stat logger is attached, as here): ``queue_s`` waiting for
+    the scheduler (a full batch or no KV room), ``prefill_s`` to the first token, ``decode_s``
+    the rest. Empty when vLLM kept none."""
+    if stats is None or not getattr(stats, "scheduled_ts", 0.0) or not getattr(stats, "queued_ts", 0.0):
+        return {}
+    out = {"queue_s": max(0.0, stats.scheduled_ts - stats.queued_ts)}
+    if stats.first_token_ts:
+        out["prefill_s"] = max(0.0, stats.first_token_ts - stats.scheduled_ts)
+        if stats.last_token_ts:
+            out["decode_s"] = max(0.0, stats.last_token_ts - stats.first_token_ts)
+    return out
+
+
 class WarEngine:
     """One rollout engine. Create, then ``await start()`` (Ray: ``actor.start.remote()``)."""
 
@@ -263,6 +278,7 @@ class WarEngine:
                                            sampling_params, request_id=rid):
             final = out
         completion = final.outputs[0]
+        timing = _engine_timing(final.metrics)
         logprobs = []
         if completion.logprobs is not None:
             for tok, lp in zip(completion.token_ids, completion.logprobs):
@@ -279,6 +295,7 @@ class WarEngine:
             # the weights that produced this turn: one version, or two when a weight sync
             # landed mid-turn (OpenRLHF's partial rollouts pause and resume generation around it)
             "weight_versions": [version_at_start, self.weight_version],
+            **timing,
             # what the prefix cache stored and evicted since the last turn (config.kv_events)
             "kv_events": self._kv_events.drain() if self._kv_events is not None else None,
         }

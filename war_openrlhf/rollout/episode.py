@@ -211,7 +211,8 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                          cached_tokens=int(out.get("num_cached_tokens", 0)),
                          finish_reason=str(out.get("finish_reason")), dispatched_s=dispatched - t0,
                          generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)),
-                         policy_versions=_versions(out), estimated_cached_tokens=out.get("estimated_cached_tokens"))
+                         policy_versions=_versions(out), estimated_cached_tokens=out.get("estimated_cached_tokens"),
+                         queue_s=out.get("queue_s"), prefill_s=out.get("prefill_s"))
         traj.turns.append(rec)
         traj.truncated = out.get("finish_reason") == "length"
 

@@ -44,6 +44,9 @@ class TurnRecord:
     policy_versions: tuple[int, int] = (0, 0)
     # the dispatcher's estimate of cached_tokens on this engine before the turn (record_cache_estimates)
     estimated_cached_tokens: int | None = None
+    # inside the engine (vLLM's request timestamps): waiting to be scheduled, then to the first token
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass

@@ -99,6 +99,11 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
         m["war/turn_generate_s_mean"] = float(np.mean([r.generate_s for r in turns]))
         m["war/turn_tool_s_mean"] = float(np.mean([r.tool_s for r in turns]))
         m["war/turn_attempts_mean"] = float(np.mean([r.attempts for r in turns]))
+        queued = [r.queue_s for r in turns if r.queue_s is not None]
+        if queued:  # inside the engine: waiting for the scheduler, then the prefill
+            m["war/turn_queue_s_mean"] = float(np.mean(queued))
+            m["war/turn_queue_s_max"] = float(np.max(queued))
+            m["war/turn_prefill_s_mean"] = float(np.mean([r.prefill_s for r in turns if r.prefill_s is not None] or [0.0]))
     for i, n in enumerate(result.engine_turns):
         m[f"war/engine{i}_turns"] = float(n)
     for i, s in enumerate(after):
