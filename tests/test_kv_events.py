@@ -123,3 +123,32 @@ def test_index_corrected_by_events_equals_a_brute_force_set(seed):
                     assert idx.matched_blocks(eng, ch) == brute
     with pytest.raises(ValueError, match="KV event kind 'moved'"):
         idx.apply_kv_events(0, [("moved", [])])
+
+
+def test_estimate_errors_are_counted_both_ways():
+    """bench_rollout's report of the dispatcher's estimates against the engines' reports."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_rollout.py"
+    spec = importlib.util.spec_from_file_location("bench_rollout_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    turns = [SimpleNamespace(estimated_cached_tokens=e, cached_tokens=a)
+             for e, a in [(128, 128), (256, 128), (0, 128), (None, 512), (384, 0)]]
+    out = bench.cache_estimate_errors(turns)
+    assert out["turns"] == 4 and out["exact"] == 0.25 and out["over"] == 0.5 and out["under"] == 0.25
+    assert out["over_tokens"] == 128 + 384 and out["under_tokens"] == 128 and out["cached_tokens"] == 384
+    assert out["abs_error_per_cached_token"] == round(640 / 384, 4)
+    assert bench.cache_estimate_errors([SimpleNamespace(estimated_cached_tokens=None, cached_tokens=3)]) is None
+
+
+def test_engine_timing_from_vllms_request_timestamps():
+    from types import SimpleNamespace
+
+    from war_openrlhf.engine.engine import _engine_timing
+
+    t = _engine_timing(SimpleNamespace(queued_ts=10.0, scheduled_ts=10.5, first_token_ts=10.75, last_token_ts=12.0))
+    assert t == {"queue_s": 0.5, "prefill_s": 0.25, "decode_s": 1.25}
+    assert _engine_timing(None) == {} and _engine_timing(SimpleNamespace(queued_ts=0.0, scheduled_ts=0.0)) == {}
