@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     threading.Thread(target=resume, daemon=True).start()
     wall = time.time() - t0
     text = (out / "train.log").read_text(errors="replace")
-    report = check(out, n, proc.returncode, text)
+    report = check(out, n, proc.returncode, text, hung=bool(hung))
     injected = {}
     if faults.exists():
         for line in faults.read_text().splitlines():
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if report["ok"] else 1
 
 
-def check(out: Path, n: int, returncode: int, log: str) -> dict:
+def check(out: Path, n: int, returncode: int, log: str, hung: bool = False) -> dict:
     """The soak's checks, from TensorBoard, the rollout dumps and the saved model."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -211,9 +211,13 @@ def check(out: Path, n: int, returncode: int, log: str) -> dict:
         "no_failed_episode_trained_on": bool(samples) and sum(samples) <= episodes - failed,
         "model_loads": model_loads is True,
     }
+    recovered = int(sum(tags.get("train/war/engines_recovered", [])))
+    if hung:  # the stopped engine answers again after --hang-s: engine_recovery (reinstate) brings it back
+        checks["hung_engine_back_in_service"] = recovered >= 1
     return {"ok": all(checks.values()), "checks": checks, "episodes": episodes, "failed_episodes": failed,
             "failed_by_reason": failed_reasons, "groups_dropped": [int(x) for x in dropped],
-            "samples_per_step": [int(x) for x in samples], "samples_lost": 0 if checks["samples_equal_healthy_groups"]
+            "samples_per_step": [int(x) for x in samples], "engines_recovered": recovered,
+            "engines_healthy_per_step": [int(x) for x in tags.get("train/war/engines_healthy", [])], "samples_lost": 0 if checks["samples_equal_healthy_groups"]
             else None, "model_load_error": None if model_loads is True else model_loads}
 
 
