@@ -172,6 +172,15 @@ class RolloutPool:
             return
         import ray
 
+        with self._recovery_lock:  # restarted actors not yet put in service
+            for handle, restarted in self._recovered.values():
+                if restarted:
+                    try:
+                        ray.kill(handle)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+            self._recovered.clear()
+
         for e in self.engines:
             if e.healthy:
                 try:
@@ -318,6 +327,11 @@ class RolloutPool:
                         log.warning("engine %d: restart failed (%s); retrying in %g s", index, exc,
                                     self.config.recovery_probe_interval_s)
                     else:
+                        if self._closed.is_set():  # the pool shut down meanwhile: no orphan actor
+                            from ..engine.actors import stop_engines
+
+                            stop_engines([new])
+                            return
                         self._post_recovered(index, new, restarted=True)
                         return
                 elif gone or wire is not None:  # gone, or answering with weights a sync moved past
