@@ -170,4 +170,12 @@ class KvEventSubscriber:
                 "missed_batches": self.missed_batches, "errors": self.errors}
 
     def stop(self) -> None:
+        """Stop reading and remove the ``ipc://`` socket file (vLLM's publisher leaves it)."""
         self._stop.set()
+        if self.endpoint.startswith("ipc://"):
+            import os
+
+            try:
+                os.unlink(self.endpoint[len("ipc://"):])
+            except OSError:
+                pass
