@@ -339,8 +339,8 @@ def test_async_weight_sync_advances_the_version_from_the_engines(pool):
 
 
 def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
-    """The engines publish vLLM's KV-cache events (ZMQ) and return them with each turn; a pool
-    with ``kv_events`` hands them to the dispatcher. An engine's cache emptied behind the
+    """The engines publish vLLM's KV-cache events (ZMQ); a pool with ``kv_events`` polls them
+    and hands them to the dispatcher. An engine's cache emptied behind the
     dispatcher's back (reset_prefix_cache, not through the pool) is then known to be empty:
     without events the model would still claim the old contexts."""
     sib = _sibling(pool, kv_events=True, record_cache_estimates=True)
@@ -364,7 +364,7 @@ def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
     asyncio.run(sib.engines[0].reset_prefix_cache())  # behind both dispatchers' backs
     later = sib.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
     blind.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
-    assert later.engine_turns[0] > 0  # a turn on engine 0 brought its AllBlocksCleared
+    assert later.engine_turns[0] > 0  # vLLM publishes AllBlocksCleared at engine 0's next step
     assert max(sib.policy.estimated_cached_tokens(0, c) for c in old) == 0
     assert max(blind.policy.estimated_cached_tokens(0, c) for c in old_blind) > 0  # stale without events
 

@@ -55,7 +55,7 @@ class EngineConfig:
     logprobs_mode: str | None = None  # vLLM's logprobs_mode; None: vLLM's default (raw_logprobs)
     full_determinism: bool = False  # vLLM in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), as OpenRLHF
     start_timeout_s: float = 1800.0  # an engine not serving by then failed to start (model download included)
-    kv_events: bool = False  # publish vLLM's KV-cache events and return them with each turn (engine/kv_events.py)
+    kv_events: bool = False  # publish vLLM's KV-cache events, read back for the pool (engine/kv_events.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):

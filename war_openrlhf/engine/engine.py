@@ -296,8 +296,6 @@ class WarEngine:
             # landed mid-turn (OpenRLHF's partial rollouts pause and resume generation around it)
             "weight_versions": [version_at_start, self.weight_version],
             **timing,
-            # what the prefix cache stored and evicted since the last turn (config.kv_events)
-            "kv_events": self._kv_events.drain() if self._kv_events is not None else None,
         }
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
@@ -321,6 +319,12 @@ class WarEngine:
                                        max_length=max_length, hf_tokenizer=hf_tokenizer, llm_engine=self,
                                        images=images) for _ in range(num_samples)]
         return await asyncio.gather(*tasks)
+
+    async def kv_events(self) -> list:
+        """What the prefix cache stored and evicted since the last call, in order, as the
+        dispatcher's block hashes (:mod:`.kv_events`); [] unless ``config.kv_events``. One
+        caller (the pool's sync loop), so consecutive calls hand out consecutive events."""
+        return self._kv_events.drain() if self._kv_events is not None else []
 
     def get_num_unfinished_requests(self) -> int:
         return self.llm.get_num_unfinished_requests()

@@ -4,8 +4,9 @@ vLLM publishes what its prefix cache stores and evicts (``BlockStored`` / ``Bloc
 ``AllBlocksCleared``, ``vllm/distributed/kv_events.py``) on a ZMQ PUB socket when
 ``kv_events_config`` enables it: the feed NVIDIA Dynamo's KV router and llm-d's scheduler
 subscribe to. With ``EngineConfig.kv_events`` on, each WAR engine binds that socket to a
-private ``ipc://`` endpoint, reads it on a thread (:class:`KvEventSubscriber`), and returns the
-events since its last turn with every turn's result; the pool hands them to the dispatcher
+private ``ipc://`` endpoint, reads it on a thread (:class:`KvEventSubscriber`), and hands out
+the events since the last call (``WarEngine.kv_events``), which the pool polls every
+``log_sync_interval_s`` and passes to the dispatcher
 (``DispatchPolicy.on_kv_events``), which then corrects its block-hash model of the engine's
 cache with what the engine really holds instead of guessing evictions from an LRU bound.
 

@@ -105,6 +105,9 @@ class EngineClient:
             self.mark_dead(exc)
             raise EngineDead(f"engine {self.index}: {self.error}") from None
 
+    async def kv_events(self) -> list:
+        return await self._call("kv_events")
+
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 

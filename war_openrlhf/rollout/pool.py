@@ -249,9 +249,6 @@ class RolloutPool:
             out["attempts"] = attempts
             if estimates is not None:
                 out["estimated_cached_tokens"] = estimates.get(eid)
-            events = out.pop("kv_events", None)
-            if events and self.config.kv_events:
-                self.policy.on_kv_events(eid, events)
             eng.turns += 1
             self._tokens_generated += len(out["token_ids"])
             response = np.asarray(out["token_ids"], dtype=np.int32)
@@ -427,6 +424,27 @@ class RolloutPool:
             except Exception:  # noqa: BLE001 - reported; drafting degrades, rollouts go on
                 self._background_errors += 1
                 log.exception("index log sync failed (rollouts go on; drafting may lag)")
+            if self.config.kv_events:
+                await self.poll_kv_events()
+
+    async def poll_kv_events(self) -> None:
+        """Hand each healthy engine's KV-cache events since the last poll to the dispatcher
+        (``kv_events``), every ``log_sync_interval_s``: one caller per engine, so they arrive
+        in order. A failed poll loses nothing the next one would not bring (the engine keeps
+        them) except on a dead engine, whose model the dispatcher no longer uses."""
+        for e in self.engines:
+            if not e.healthy:
+                continue
+            try:
+                events = await e.kv_events()
+            except EngineDead:
+                continue
+            except Exception:  # noqa: BLE001 - reported; the model keeps its own guess
+                self._background_errors += 1
+                log.exception("KV events from engine %d could not be read", e.index)
+                continue
+            if events:
+                self.policy.on_kv_events(e.index, events)
 
     async def engine_stats(self) -> list[EngineStats]:
         """Every engine's report (the last one for an engine that died, with ``healthy`` False)."""
@@ -484,6 +502,8 @@ class RolloutPool:
         if self._recovered:
             await self._install_recovered()
         await self._attach_indexes(await self.engine_stats())  # the stats also give the dispatcher KV capacities
+        if self.config.kv_events:
+            await self.poll_kv_events()  # what changed in the caches between batches
         self._redispatched = self._deferrals = self._episode_retries = 0
         self._deferred_wait_s = 0.0
         turns0 = [e.turns for e in self.engines]
