@@ -12,7 +12,7 @@ from war_openrlhf.training.samples_generator import rollout_metrics
 
 
 def _result():
-    turn = SimpleNamespace(engine=0, start=4, generate_s=0.3, tool_s=0.1, attempts=1)
+    turn = SimpleNamespace(engine=0, start=4, generate_s=0.3, tool_s=0.1, attempts=1, queue_s=0.05, prefill_s=0.02)
     traj = SimpleNamespace(turns=[turn], token_ids=[1, 2, 3, 4, 5, 6], reward=1.0, end_reason="done")
     return SimpleNamespace(tokens_per_s=10.0, wall_s=1.0, generated_tokens=2, turns=1, prefix_hit_rate=0.5,
                            redispatched_turns=0, deferrals=0, trajectories=[traj], engine_turns=[1, 0])
@@ -20,7 +20,8 @@ def _result():
 
 def _pool():
     policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None, metrics=dict)
-    return SimpleNamespace(policy=policy, engines=[SimpleNamespace(sync_errors=0), SimpleNamespace(sync_errors=1)])
+    return SimpleNamespace(policy=policy, engines=[SimpleNamespace(sync_errors=0, healthy=True),
+                                                   SimpleNamespace(sync_errors=1, healthy=False)])
 
 
 def _stats(engine, drafter_p50, drafter_p99, pending, steps=10):
@@ -38,6 +39,9 @@ def test_drafter_step_cost_and_log_backlog_are_reported_per_batch():
     assert m["war/index_pending_entries"] == 3.0
     assert m["war/index_sync_errors"] == 1.0
     assert m["war/tokens_per_engine_step"] == pytest.approx(2.0)
+    assert m["war/turn_queue_s_mean"] == m["war/turn_queue_s_max"] == 0.05  # inside the engine
+    assert m["war/turn_prefill_s_mean"] == 0.02
+    assert m["war/engines_healthy"] == 1.0 and m["war/engines_recovered"] == 0.0
     # engines without a replica (vLLM's own suffix, or no speculation) report neither
     plain = rollout_metrics(_result(), _pool(), before, [EngineStats(engine=0), EngineStats(engine=1)])
     assert "war/drafter_step_us_p50" not in plain and "war/index_pending_entries" not in plain
