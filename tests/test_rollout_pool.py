@@ -315,29 +315,6 @@ def test_a_pool_refuses_objects_that_are_not_engines(pool):
                     agent_cls=pool.agent_cls)
 
 
-def test_async_weight_sync_advances_the_version_from_the_engines(pool):
-    """The one weight-sync hook of both trainers: the engines count the version and drop their
-    prefix caches; a pool in another process (the async trainer's rollout actor) learns the
-    version from the turns alone, tags every turn and index record with it, and resets its
-    model of the engines' caches."""
-    from war_openrlhf.training.weight_sync_hook import after_weight_sync
-
-    other = _sibling(pool)  # stands for the rollout actor's pool: nobody calls it at sync time
-    before = other.policy_version
-    first = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
-    v0 = {r.policy_versions for t in first.trajectories for r in t.turns}
-    version = after_weight_sync([e.handle for e in pool.engines])
-    assert version >= 1 and v0 == {(version - 1, version - 1)}
-    res = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
-    assert {r.policy_versions for t in res.trajectories for r in t.turns} == {(version, version)}
-    assert other.policy_version == version > before and other.log.policy_version == version
-    # every engine's replica of the index applied the new version (max_policy_lag ages by it)
-    stats = asyncio.run(other.engine_stats())
-    assert {(s.war.get("index") or {}).get("policy_version") for s in stats} == {version}
-    dumped = res.trajectories[0].to_dict()["turns"][0]["policy_versions"]
-    assert tuple(dumped) == (version, version)
-
-
 def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
     """The engines publish vLLM's KV-cache events (ZMQ); a pool with ``kv_events`` polls them
     and hands them to the dispatcher. An engine's cache emptied behind the
@@ -424,8 +401,9 @@ def test_a_hung_engine_is_treated_as_dead_then_reinstated(pool):
 
 
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):
-    """Runs last: it kills engine 1 of the shared pool; the pool (``engine_recovery: restart``)
-    starts a new actor in its place, which serves the next batch from a re-attached index."""
+    """Kills engine 1 of the shared pool; the pool (``engine_recovery: restart``) starts a new
+    actor in its place, which serves the next batch from a re-attached index. Runs before any
+    weight sync: after one, a new actor would hold the model file's weights and is refused."""
     import ray
 
     victim = pool.engines[1]
@@ -457,3 +435,26 @@ def test_engine_killed_mid_batch_loses_no_trajectory(pool):
     assert again.engine_turns[1] > 0 and again.end_reasons == {"done": 12}
     stats = asyncio.run(pool.engine_stats())
     assert stats[1].index_owner == pool.pool_id  # the new actor's replica follows this pool's log
+
+
+def test_async_weight_sync_advances_the_version_from_the_engines(pool):
+    """The one weight-sync hook of both trainers: the engines count the version and drop their
+    prefix caches; a pool in another process (the async trainer's rollout actor) learns the
+    version from the turns alone, tags every turn and index record with it, and resets its
+    model of the engines' caches."""
+    from war_openrlhf.training.weight_sync_hook import after_weight_sync
+
+    other = _sibling(pool)  # stands for the rollout actor's pool: nobody calls it at sync time
+    before = other.policy_version
+    first = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
+    v0 = {r.policy_versions for t in first.trajectories for r in t.turns}
+    version = after_weight_sync([e.handle for e in pool.engines])
+    assert version >= 1 and v0 == {(version - 1, version - 1)}
+    res = other.run_batch(["Question: versions?"], ["ok"], n_samples_per_prompt=2)
+    assert {r.policy_versions for t in res.trajectories for r in t.turns} == {(version, version)}
+    assert other.policy_version == version > before and other.log.policy_version == version
+    # every engine's replica of the index applied the new version (max_policy_lag ages by it)
+    stats = asyncio.run(other.engine_stats())
+    assert {(s.war.get("index") or {}).get("policy_version") for s in stats} == {version}
+    dumped = res.trajectories[0].to_dict()["turns"][0]["policy_versions"]
+    assert tuple(dumped) == (version, version)
