@@ -183,8 +183,13 @@ def main(argv: list[str] | None = None) -> None:
         spread = lambda d: "-".join(f"{x:.2f}" for x in d.get("step_s_spread", []))  # noqa: E731
         print(f"rollout step, same prompts:  openrlhf {base['step_s']:.2f} s ({spread(base)}), war "
               f"{war['step_s']:.2f} s ({spread(war)}) -> {base['step_s'] / war['step_s']:.2f}x  (median of 3 "
-              "steps each, min-max in brackets; a 2-core CPU shared with the Ray actors is noisy, "
-              "docs/benchmarks.md has longer measurements)")
+              "steps each, min-max in brackets)")
+        print(f"                             tokens/s: openrlhf {base['throughput_tok_s']:,.0f}, war "
+              f"{war['throughput_tok_s']:,.0f} -> {war['throughput_tok_s'] / base['throughput_tok_s']:.2f}x")
+        print("  The policy samples at temperature 1, so the two paths generate different text: a step's time is "
+              "set by its longest episode (one that never answers runs to the length cap), and one step on a "
+              "2-core CPU shared with the Ray actors moves 10-25%. Read the ratio as noisy; docs/benchmarks.md "
+              "has longer measurements on forced-length workloads.")
     print(f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
     print(f"Summary plot:     {png}")
     print(f"Trained policy:   {out / 'model'}")
