@@ -341,6 +341,10 @@ def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
     old_blind = on_engine0(blind.run_batch(["kv-a%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3))
     assert max(blind.policy.estimated_cached_tokens(0, c) for c in old_blind) > 0
     asyncio.run(sib.engines[0].reset_prefix_cache())  # behind both dispatchers' backs
+    # known at the next poll, before engine 0 runs another step (vLLM publishes its own
+    # AllBlocksCleared only then; the engine drops the backlog and reports the reset itself)
+    asyncio.run(sib.poll_kv_events())
+    assert max(sib.policy.estimated_cached_tokens(0, c) for c in old) == 0
     later = sib.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
     blind.run_batch(["kv-b%d" % i for i in range(3)], ["ok"] * 3, n_samples_per_prompt=3)
     assert later.engine_turns[0] > 0  # vLLM publishes AllBlocksCleared at engine 0's next step

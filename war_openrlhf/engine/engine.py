@@ -435,13 +435,22 @@ class WarEngine:
         return await self.stats()
 
     async def reset_prefix_cache(self) -> None:
-        await self.llm.reset_prefix_cache()
+        await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache. With KV events on, the events still queued from before
+        are dropped and a ``cleared`` event takes their place at once: vLLM publishes its own
+        ``AllBlocksCleared`` only at its next engine step, and until then the backlog would
+        tell the dispatcher the cache still holds what was just dropped."""
+        ok = await self.llm.reset_prefix_cache()
+        if self._kv_events is not None and ok is not False:
+            self._kv_events.reset()
 
     async def weights_updated(self) -> int:
         """After a weight sync (either trainer): drop the prefix cache's KV (computed with
         the old weights) and count the new version; returns it. Turns report the versions
         they ran under (``generate_tokens``' ``weight_versions``)."""
-        await self.llm.reset_prefix_cache()
+        await self._reset_prefix_cache()
         self.weight_version += 1
         return self.weight_version
 
@@ -451,7 +460,7 @@ class WarEngine:
         prefix cache (cached KV was computed with the old weights). On GPU clusters
         the trainer uses NCCL through ``init_process_group``/``update_weight``."""
         n = await self._rpc(RPC_LOAD_WEIGHTS, tensors_to_wire(named_tensors))
-        await self.llm.reset_prefix_cache()
+        await self._reset_prefix_cache()
         return int(n)
 
     # ------------------------------------------------------------------ OpenRLHF surface

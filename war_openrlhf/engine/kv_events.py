@@ -109,6 +109,11 @@ class KvEventSubscriber:
             out, self._pending = self._pending, []
         return out
 
+    def reset(self) -> None:
+        """The engine's prefix cache was just emptied: drop the queued events, queue ``cleared``."""
+        with self._lock:
+            self._pending = [("cleared",)]
+
     def stats(self) -> dict[str, int]:
         return {"events": self.events, "missed_batches": self.missed_batches, "errors": self.errors}
 
