@@ -352,6 +352,17 @@ def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
     assert max(blind.policy.estimated_cached_tokens(0, c) for c in old_blind) > 0  # stale without events
 
 
+async def _batch_hitting(p, victim, fault, prefix: str):
+    """A batch of 4 prompts x 3 on pool ``p``; ``fault()`` strikes as soon as ``victim`` has a turn in flight."""
+    task = asyncio.ensure_future(p.run_batch_async([f"{prefix}{i}" for i in range(4)], ["ok"] * 4,
+                                                   n_samples_per_prompt=3))
+    while victim.in_flight == 0 and not task.done():
+        await asyncio.sleep(0.002)
+    assert victim.in_flight > 0
+    fault()
+    return await task
+
+
 def _wait_for_recovery(p, timeout_s: float) -> None:
     import time
 
@@ -380,18 +391,12 @@ def test_a_hung_engine_is_treated_as_dead_then_reinstated(pool):
         except ProcessLookupError:
             pass
 
-    async def scenario():
-        task = asyncio.ensure_future(sib.run_batch_async(["h%d" % i for i in range(4)], ["ok"] * 4,
-                                                         n_samples_per_prompt=3))
-        while victim.in_flight == 0 and not task.done():
-            await asyncio.sleep(0.002)
-        assert victim.in_flight > 0
+    def stop():
         os.kill(pid, signal.SIGSTOP)
         threading.Timer(12.0, resume).start()
-        return await task
 
     try:
-        res = asyncio.run(scenario())
+        res = asyncio.run(_batch_hitting(sib, victim, stop, "h"))
     finally:
         threading.Timer(12.5, resume).start()  # never leave it stopped
     assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
@@ -412,17 +417,8 @@ def test_engine_killed_mid_batch_loses_no_trajectory(pool):
 
     victim = pool.engines[1]
 
-    async def scenario():
-        task = asyncio.ensure_future(pool.run_batch_async(["p%d" % i for i in range(4)], ["ok"] * 4,
-                                                          n_samples_per_prompt=3))
-        while victim.in_flight == 0 and not task.done():
-            await asyncio.sleep(0.002)
-        assert victim.in_flight > 0
-        ray.kill(victim.handle, no_restart=True)
-        return await task
-
     refused = [e.sync_errors for e in pool.engines]
-    res = asyncio.run(scenario())
+    res = asyncio.run(_batch_hitting(pool, victim, lambda: ray.kill(victim.handle, no_restart=True), "p"))
     # the sibling pools of earlier tests took the engines' replicas: this pool re-attached them
     assert [e.sync_errors for e in pool.engines] == refused, [e.last_sync_error for e in pool.engines]
     assert len(res.trajectories) == 12

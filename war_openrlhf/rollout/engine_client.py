@@ -162,7 +162,6 @@ class EngineClient:
         self.healthy = True
         self.error = None
         self.last_sync_error = None
-        self.log_sent = 0
 
     def state(self, exclude_parked: int = 0) -> EngineState:
         """The dispatcher's snapshot of this engine."""
