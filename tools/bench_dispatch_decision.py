@@ -1,6 +1,7 @@
 """Decision-cost benchmark of the dispatch policies (not a test; timings are machine-dependent).
 
-    python tools/bench_dispatch_decision.py [--engines 32] [--trajectories 64] [--max-context 65536]
+    python tools/bench_dispatch_decision.py [--engines 32] [--trajectories 64] [--max-context 65536] \
+        [--repeats 3] [--json benchmarks/results/dispatch_decision/bench_dispatch_decision.json]
 
 Workload: groups of 8 trajectories share an 8k-token prompt; every turn appends a 300-token
 response and a 700-token tool output, until the context reaches --max-context (64k: ~57 turns).
@@ -23,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from war_openrlhf.dispatch import EngineState, TurnRequest, make_policy  # noqa: E402
+from war_openrlhf.metrics import spread, write_json  # noqa: E402
 
 POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv",
                 "verl_kv_aware", "war"]
@@ -83,26 +85,58 @@ def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8
     }
 
 
-def main() -> None:
+METRICS = ("p50_us", "p99_us", "p50_us_ctx>=32k", "p99_us_ctx>=32k", "finish_p50_us", "finish_p99_us")
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", type=int, default=32)
     ap.add_argument("--trajectories", type=int, default=64)
     ap.add_argument("--max-context", type=int, default=65536)
     ap.add_argument("--policies", nargs="*", default=POLICY_ORDER)
     ap.add_argument("--loads", choices=["walk", "iid"], default="walk")
-    args = ap.parse_args()
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every policy on the same workload, policies in turn within a run; "
+                         "the table shows the median (min-max), the JSON every run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     print(f"loads={args.loads} engines={args.engines} trajectories={args.trajectories} "
-          f"max_context={args.max_context}")
-    print(f"{'policy':20s} {'turns':>6s} {'p50us':>8s} {'p99us':>8s} {'p50>=32k':>9s} "
-          f"{'p99>=32k':>9s} {'fin_p50':>8s} {'fin_p99':>8s}")
-    for name in args.policies:
-        r = run(name, args.engines, args.trajectories, args.max_context,
-                loads_model=args.loads)
-        print(f"{name:20s} {r['turns']:6d} {r['p50_us']:8.1f} {r['p99_us']:8.1f} "
-              f"{r['p50_us_ctx>=32k']:9.1f} {r['p99_us_ctx>=32k']:9.1f} "
-              f"{r['finish_p50_us']:8.1f} {r['finish_p99_us']:8.1f}"
-              + (f"  moves={r['moves']}" if r["moves"] is not None else ""))
+          f"max_context={args.max_context} repeats={args.repeats}")
+    runs = {name: [] for name in args.policies}
+    for r in range(args.repeats):
+        for name in args.policies:
+            runs[name].append(run(name, args.engines, args.trajectories, args.max_context,
+                                  seed=args.seed, loads_model=args.loads))
+        print(f"run {r + 1}/{args.repeats} done", flush=True)
+    results = {}
+    for name, rs in runs.items():
+        results[name] = {"policy": name, "turns": rs[0]["turns"], "moves": [x["moves"] for x in rs],
+                         **{m: spread([x[m] for x in rs]) for m in METRICS}, "runs": rs}
+
+    def cell(d):
+        return f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})"
+
+    print(f"median of {args.repeats} runs (min-max), microseconds")
+    print(f"{'policy':20s} {'turns':>6s} {'p50 us':>20s} {'p99 us':>20s} {'p50 >=32k':>20s} "
+          f"{'p99 >=32k':>20s} {'finish p50':>20s}")
+    for name, d in results.items():
+        print(f"{name:20s} {d['turns']:6d} {cell(d['p50_us']):>20s} {cell(d['p99_us']):>20s} "
+              f"{cell(d['p50_us_ctx>=32k']):>20s} {cell(d['p99_us_ctx>=32k']):>20s} "
+              f"{cell(d['finish_p50_us']):>20s}"
+              + (f"  moves={d['moves'][0]}" if d["moves"][0] is not None else ""))
+    out = write_json(args.json, {
+        "benchmark": "dispatch_decision", "timed": True, "repeats": args.repeats,
+        "workload": {"engines": args.engines, "trajectories": args.trajectories,
+                     "max_context": args.max_context, "loads": args.loads, "seed": args.seed,
+                     "group_size": 8, "prompt_tokens": 8192, "response_tokens": 300, "tool_tokens": 700},
+        "policies": args.policies, "results": results})
+    if out:
+        print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,9 +10,15 @@
                  every replica's sync), serial on this machine, and per replica (the
                  wall time when replicas apply in parallel, one per engine process)
   memory         bytes per cached token
+  breakdown      one request's speculate: the same call again (warm CPU caches), after the
+                 caches are flushed, after appending one token (as decoding does)
+
+Every measurement runs --repeats times (default 3) on the same work; the JSON keeps every run
+and the table shows the median (min-max). Timings are of this machine at this moment: the
+JSON records its load average, and other work on the cores shows as spread.
 
 Example:
-  python tools/bench_index.py --json results/bench_index.json
+  python tools/bench_index.py --json benchmarks/results/index/bench_index.json
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from war_openrlhf.metrics import format_table, write_json  # noqa: E402
+from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, SuffixIndexConfig  # noqa: E402
 from war_openrlhf.traces import group_trajectories, load_chat_traces, tokenize_traces  # noqa: E402
 
@@ -43,17 +49,15 @@ def turn_records(trajs, policy_version=0, prefix=""):
             )
 
 
-def bench_insertion(records, config, repeats):
-    rates = []
-    for _ in range(repeats):
-        log = CompletedSequenceLog()
-        log.append_many(records)
-        replica = GlobalSuffixIndex(config)
-        t0 = time.perf_counter()
-        replica.sync(log)
-        dt = time.perf_counter() - t0
-        rates.append(replica.indexed_tokens / dt)
-    return replica, float(np.median(rates))
+def bench_insertion(records, config):
+    """One run: a fresh replica applies every record from the log; tokens/s."""
+    log = CompletedSequenceLog()
+    log.append_many(records)
+    replica = GlobalSuffixIndex(config)
+    t0 = time.perf_counter()
+    replica.sync(log)
+    dt = time.perf_counter() - t0
+    return replica, replica.indexed_tokens / dt
 
 
 def bench_speculate(replica, trajs, k, calls, seed):
@@ -92,29 +96,64 @@ def bench_speculate(replica, trajs, k, calls, seed):
     return float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), drafted / len(lat)
 
 
-def bench_replication(base_records, make_traj_records, config, replicas, repeats):
-    """Per repeat: fresh replicas pre-filled with base_records, then time one trajectory."""
-    serial, per_replica, tokens = [], [], 0
-    for r in range(repeats):
-        log = CompletedSequenceLog()
-        log.append_many(base_records)
-        reps = [GlobalSuffixIndex(config) for _ in range(replicas)]
-        for rep in reps:
-            rep.sync(log)
-        recs = make_traj_records(r)
-        t0 = time.perf_counter()
-        log.append_many(recs)
-        times = []
-        for rep in reps:
-            t1 = time.perf_counter()
-            rep.sync(log)
-            times.append(time.perf_counter() - t1)
-        serial.append(time.perf_counter() - t0)
-        per_replica.append(max(times))
-        tokens = reps[0].indexed_tokens - sum(
-            int(x.response_token_ids.size) + min(config.prompt_lead_in, int(x.prompt_token_ids.size)) for x in base_records
-        )
-    return 1e3 * float(np.median(serial)), 1e3 * float(np.median(per_replica)), tokens
+def bench_breakdown(replica, trajs, k, calls, seed, flush_mib=64):
+    """Where one request's speculate time goes, p50 over ``calls`` calls each: the same call
+    again (warm CPU caches), the same call after ``flush_mib`` MiB are written (cold caches),
+    and after appending one token each time (as decoding does)."""
+    rng = np.random.default_rng(seed)
+    long_turns = [(tr, t) for tr in trajs for t in tr.turns if t.response_token_ids.size >= 2 * calls + 8]
+    tr, turn = long_turns[int(rng.integers(len(long_turns)))]
+    resp = turn.response_token_ids
+    rid = f"breakdown{seed}"
+    replica.start_request(rid, turn.context_token_ids, tr.group_id, tr.trajectory_id + "/breakdown")
+    pos = resp.size // 4
+    replica.extend_request(rid, resp[:pos])
+
+    def ctx():
+        return np.concatenate([turn.context_token_ids[-64:], resp[:pos]])
+
+    def timed(c):
+        t0 = time.perf_counter_ns()
+        replica.speculate_engine(rid, c, k)
+        return (time.perf_counter_ns() - t0) / 1e3
+
+    c = ctx()
+    timed(c)
+    warm = [timed(c) for _ in range(calls)]
+    junk = np.zeros(flush_mib * 2**20, dtype=np.uint8)
+    flushed = []
+    for _ in range(calls):
+        junk += 1  # every byte written: the trees' nodes leave the CPU caches
+        flushed.append(timed(c))
+    appended = []
+    for _ in range(calls):
+        replica.extend_request(rid, resp[pos : pos + 1])
+        pos += 1
+        appended.append(timed(ctx()))
+    replica.stop_request(rid)
+    return {"warm_us": float(np.median(warm)), "flushed_us": float(np.median(flushed)),
+            "after_append_us": float(np.median(appended)), "calls": calls, "flush_mib": flush_mib}
+
+
+def bench_replication(base_records, recs, config, replicas):
+    """One run: fresh replicas pre-filled with base_records, then one trajectory's records
+    appended to the log and applied by every replica in turn. Returns (serial ms, slowest
+    replica ms, tokens inserted per replica)."""
+    log = CompletedSequenceLog()
+    log.append_many(base_records)
+    reps = [GlobalSuffixIndex(config) for _ in range(replicas)]
+    for rep in reps:
+        rep.sync(log)
+    before = reps[0].indexed_tokens
+    t0 = time.perf_counter()
+    log.append_many(recs)
+    times = []
+    for rep in reps:
+        t1 = time.perf_counter()
+        rep.sync(log)
+        times.append(time.perf_counter() - t1)
+    serial = time.perf_counter() - t0
+    return 1e3 * serial, 1e3 * max(times), reps[0].indexed_tokens - before
 
 
 def main(argv=None) -> int:
@@ -122,60 +161,91 @@ def main(argv=None) -> int:
     ap.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--calls", type=int, default=20000)
+    ap.add_argument("--breakdown-calls", type=int, default=50)
     ap.add_argument("--replicas", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every measurement (same work each run); the files keep every run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
 
     trajs = tokenize_traces(load_chat_traces(args.traces))
     config = SuffixIndexConfig()
     records = list(turn_records(trajs))
-    rows, results = [], {}
-
-    replica, rate = bench_insertion(records, config, args.repeats)
-    results["insertion_tokens_per_s"] = rate
-    rows.append({"metric": "insertion", "value": rate / 1e6, "unit": "M tokens/s",
-                 "note": f"{len(records)} turn records, {replica.indexed_tokens} tokens"})
-
-    p50, p99, hit = bench_speculate(replica, trajs, args.k, args.calls, args.seed)
-    results.update(speculate_p50_us=p50, speculate_p99_us=p99, speculate_draft_rate=hit)
-    rows.append({"metric": "speculate p50", "value": p50, "unit": "us", "note": f"K={args.k}, {args.calls} calls"})
-    rows.append({"metric": "speculate p99", "value": p99, "unit": "us", "note": f"{hit:.0%} of calls drafted"})
-
-    bpt = replica.bytes_per_indexed_token()
-    results["bytes_per_indexed_token"] = bpt
-    rows.append({"metric": "memory", "value": bpt, "unit": "B/token", "note": f"{replica.memory_bytes() / 2**20:.1f} MiB"})
 
     rng = np.random.default_rng(args.seed)
     vocab = 151_000
-
-    def worst_case(r):  # one record of 8192 fresh tokens
-        return [CompletedSequence.create(f"long{r}", "glong", 0, [1],
-                                         rng.integers(0, vocab, size=8192 - config.prompt_lead_in + 1))]
-
+    # one record of 8192 fresh tokens: the same tokens in every run
+    worst = [CompletedSequence.create("long", "glong", 0, [1],
+                                      rng.integers(0, vocab, size=8192 - config.prompt_lead_in + 1))]
     # a real multi-turn trajectory of ~8k tokens (context + responses): its turn records
     real = min((t for t in trajs), key=lambda t: abs(int(t.turns[-1].context_token_ids.size
                                                         + t.turns[-1].response_token_ids.size) - 8192))
     real_tokens = int(real.turns[-1].context_token_ids.size + real.turns[-1].response_token_ids.size)
-
-    def real_traj(r):
-        return list(turn_records([real], prefix=f"rep{r}/"))
-
+    real_recs = list(turn_records([real], prefix="rep/"))
     base = records[:500]
-    for name, make in (("8k response tokens", worst_case), (f"real {real_tokens}-token trajectory", real_traj)):
-        serial, per, toks = bench_replication(base, make, config, args.replicas, args.repeats)
-        key = "replicate_worst_case" if name.startswith("8k") else "replicate_real_trajectory"
-        results[key] = {"serial_ms": serial, "per_replica_ms": per, "tokens_inserted_per_replica": toks,
-                        "replicas": args.replicas}
-        rows.append({"metric": f"replicate x{args.replicas} serial", "value": serial, "unit": "ms",
-                     "note": f"{name}: {toks} tokens/replica"})
-        rows.append({"metric": f"replicate x{args.replicas} parallel", "value": per, "unit": "ms",
-                     "note": "slowest replica (one per engine process)"})
 
-    print(format_table(rows, [("metric", "metric", ""), ("value", "value", ".2f"), ("unit", "unit", ""),
+    runs = {"insertion_tokens_per_s": [], "speculate_p50_us": [], "speculate_p99_us": [],
+            "speculate_draft_rate": [], "breakdown_warm_us": [], "breakdown_flushed_us": [],
+            "breakdown_after_append_us": [], "replicate_8k_serial_ms": [], "replicate_8k_per_replica_ms": [],
+            "replicate_real_serial_ms": [], "replicate_real_per_replica_ms": []}
+    tokens_inserted = {}
+    for r in range(args.repeats):  # every measurement once per run, runs in sequence
+        replica, rate = bench_insertion(records, config)
+        runs["insertion_tokens_per_s"].append(rate)
+        p50, p99, hit = bench_speculate(replica, trajs, args.k, args.calls, args.seed)
+        runs["speculate_p50_us"].append(p50)
+        runs["speculate_p99_us"].append(p99)
+        runs["speculate_draft_rate"].append(hit)
+        bd = bench_breakdown(replica, trajs, args.k, args.breakdown_calls, args.seed)
+        for key in ("warm_us", "flushed_us", "after_append_us"):
+            runs[f"breakdown_{key}"].append(bd[key])
+        for name, recs in (("8k", worst), ("real", real_recs)):
+            serial, per, toks = bench_replication(base, recs, config, args.replicas)
+            runs[f"replicate_{name}_serial_ms"].append(serial)
+            runs[f"replicate_{name}_per_replica_ms"].append(per)
+            tokens_inserted[name] = toks
+        print(f"run {r + 1}/{args.repeats}: insertion {rate / 1e6:.2f} M tokens/s, speculate p50 {p50:.1f} us",
+              flush=True)
+
+    results = {key: spread(vals) for key, vals in runs.items()}
+    results.update(
+        records=len(records), indexed_tokens=replica.indexed_tokens,
+        memory_bytes=replica.memory_bytes(), bytes_per_indexed_token=replica.bytes_per_indexed_token(),
+        replicas=args.replicas, replicate_8k_tokens_per_replica=tokens_inserted["8k"],
+        replicate_real_trajectory_tokens=real_tokens,
+        replicate_real_tokens_per_replica=tokens_inserted["real"],
+        k=args.k, calls=args.calls, breakdown_calls=args.breakdown_calls, breakdown_flush_mib=64,
+    )
+
+    def fmt(key, scale=1.0):
+        s = results[key]
+        return f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f}-{s['max'] * scale:.2f})"
+
+    rows = [
+        {"metric": "insertion", "value": fmt("insertion_tokens_per_s", 1e-6), "unit": "M tokens/s",
+         "note": f"{len(records)} turn records, {replica.indexed_tokens} tokens"},
+        {"metric": "speculate p50", "value": fmt("speculate_p50_us"), "unit": "us", "note": f"K={args.k}, {args.calls} calls"},
+        {"metric": "speculate p99", "value": fmt("speculate_p99_us"), "unit": "us",
+         "note": f"{results['speculate_draft_rate']['median']:.0%} of calls drafted"},
+        {"metric": "memory", "value": f"{results['bytes_per_indexed_token']:.0f}", "unit": "B/token",
+         "note": f"{results['memory_bytes'] / 2**20:.1f} MiB"},
+        {"metric": "speculate, same call again", "value": fmt("breakdown_warm_us"), "unit": "us", "note": "warm caches"},
+        {"metric": "speculate, caches flushed", "value": fmt("breakdown_flushed_us"), "unit": "us", "note": "64 MiB written"},
+        {"metric": "speculate, after an append", "value": fmt("breakdown_after_append_us"), "unit": "us", "note": ""},
+    ]
+    for name, label in (("8k", "8k response tokens"), ("real", f"real {real_tokens}-token trajectory")):
+        rows.append({"metric": f"replicate x{args.replicas} serial", "value": fmt(f"replicate_{name}_serial_ms"),
+                     "unit": "ms", "note": f"{label}: {tokens_inserted[name]} tokens/replica"})
+        rows.append({"metric": f"replicate x{args.replicas} parallel", "value": fmt(f"replicate_{name}_per_replica_ms"),
+                     "unit": "ms", "note": "slowest replica (one per engine process)"})
+    print(f"median of {args.repeats} runs (min-max)")
+    print(format_table(rows, [("metric", "metric", ""), ("value", "value", ""), ("unit", "unit", ""),
                               ("note", "note", "")]))
-    out = write_json(args.json, {"benchmark": "suffix_index", "config": config.__dict__, "results": results})
+    out = write_json(args.json, {"benchmark": "suffix_index", "repeats": args.repeats, "timed": True,
+                                 "config": config.__dict__, "results": results})
     if out:
         print(f"wrote {out}")
     return 0

@@ -1,13 +1,27 @@
-"""Benchmark reports: one JSON document plus a fixed-width table, written the same way by every tool."""
+"""Benchmark reports: one JSON document plus a fixed-width table, written the same way by every tool.
+
+Every result file carries its provenance (:func:`provenance`): the command that wrote it, the
+git commit of the checkout it ran from (and whether tracked files differed from it), the
+machine (CPU model, cores, memory, load average while it ran) and the time. A name ending in
+``.gz`` is written gzip-compressed; :func:`read_json` reads both.
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
+import gzip
 import json
 import math
+import os
 import platform
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+#: the checkout this package lives in (its commit is recorded in every result file)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
@@ -27,20 +41,141 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
     return "\n".join(out)
 
 
-def machine_info() -> dict[str, Any]:
-    import os
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on. ``load_average`` (1/5/15 min, at writing) tells
+    whether other work shared the cores: timings taken under load are noisier."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
     return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_gib": _memory_gib(),
+        "load_average": load,
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
     }
 
 
-def write_json(path: str | Path | None, payload: dict[str, Any]) -> Path | None:
+def git_commit(root: str | Path | None = None) -> dict[str, Any] | None:
+    """``{"commit": sha, "dirty": bool, "changed_files": [...]}`` of the checkout at ``root``
+    (default: this package's): ``dirty`` when tracked files differ from the commit, and which
+    (the first 50); None outside a git checkout."""
+    root = Path(root) if root is not None else REPO_ROOT
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    changed = sorted(line[3:] for line in status.splitlines() if line.strip())
+    return {"commit": sha, "dirty": bool(changed), "changed_files": changed[:50]}
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed from the repository root: ``python tools/x.py --flag value``."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv and argv[0].endswith(".py"):
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(Path.cwd().resolve()))
+        except ValueError:
+            pass
+        return shlex.join(["python", *argv])
+    return shlex.join(argv)
+
+
+def provenance(command: str | None = None) -> dict[str, Any]:
+    """What every result file records about how it came to be."""
+    return {
+        "command": command if command is not None else command_line(),
+        "git": git_commit(),
+        "machine": machine_info(),
+        "written_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _clean(value: Any) -> Any:
+    """NaN and infinities become null (strict JSON: every reader parses the file)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _dumps(payload: Any, indent: int | None) -> str:
+    return json.dumps(_clean(payload), indent=indent, default=str, allow_nan=False)
+
+
+def write_json(path: str | Path | None, payload: dict[str, Any], *, command: str | None = None,
+               stamp: bool = True, indent: int | None = 1) -> Path | None:
+    """Write ``payload`` as JSON with its provenance (``command``, ``git``, ``machine``,
+    ``written_at``: :func:`provenance`; ``command`` defaults to this process's command line).
+    ``stamp=False`` writes ``payload`` as it is (a file that already holds its provenance).
+    A path ending in ``.gz`` is gzip-compressed (large results). Returns the path, or None
+    when ``path`` is None."""
     if path is None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**payload, "machine": machine_info(), "command": " ".join(sys.argv)}, indent=2))
+    doc = {**payload, **provenance(command)} if stamp else payload
+    text = _dumps(doc, indent)
+    tmp = path.with_name(path.name + ".tmp")
+    if path.name.endswith(".gz"):
+        # mtime=0: the same result compresses to the same bytes
+        with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:
+            fh.write(text.encode())
+    else:
+        tmp.write_text(text)
+    os.replace(tmp, path)
     return path
+
+
+def read_json(path: str | Path) -> Any:
+    """A result file written by :func:`write_json` (plain or ``.gz``)."""
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt") as fh:
+            return json.load(fh)
+    return json.loads(path.read_text())
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """A timed figure over repeated runs: ``{"median", "min", "max", "runs"}`` (every run kept)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("spread: no runs")
+    s = sorted(vals)
+    n = len(s)
+    median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return {"median": median, "min": s[0], "max": s[-1], "runs": vals}
