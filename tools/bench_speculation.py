@@ -12,7 +12,7 @@ on the same workload:
 
 Example:
   python tools/bench_speculation.py --traces ../shared/traces/tau_airline_dev.json \
-      --engines 8 --k 16 --json results/bench_speculation.json
+      --engines 8 --k 16 --json benchmarks/results/speculation/e8_k16.json
 """
 
 from __future__ import annotations
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     out = write_json(args.json, {
         "benchmark": "speculation_replay",
         "traces": [str(p) for p in paths],
+        "workload": {"trajectories": len(chats), "groups": len(groups), "turns": n_turns,
+                     "response_tokens": n_resp},
+        "simulated": True,  # ticks and tokens are exact; only propose_us_per_call is timed (one run)
         "replay": config.__dict__,
         "war_index": index_config.__dict__,
         "results": results,
