@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -62,6 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from war_openrlhf.metrics import write_json  # noqa: E402
 from war_openrlhf.simulation.cluster import (SimConfig, contention_free_makespan,  # noqa: E402
                                              prepare_trajectories, simulate)
 from war_openrlhf.simulation.cost_model import get_preset  # noqa: E402
@@ -433,14 +433,13 @@ def merge_suite(args):
     if len(splits) != 1:
         raise SystemExit(f"--suite-from: the files mix splits {sorted(map(str, splits))}")
     split = splits.pop()
-    out = dict(heads[0])
-    out["command"] = " ".join(["python"] + sys.argv)
-    out["merged_from"] = list(args.suite_from)
+    out = {k: v for k, v in heads[0].items() if k not in ("command", "git", "machine", "written_at")}
+    out["merged_from"] = [{"path": str(p), **{k: h.get(k) for k in ("command", "git", "machine", "written_at")}}
+                          for p, h in zip(args.suite_from, heads)]
     out["runs"] = runs
     cells, summary = suite_summary(runs)
     out["summary"], out["cells"] = summary, cells
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     print_suite(list(zip(cells, runs)), summary, split)
     print(f"\nwrote {args.json}")
     if args.plot:
@@ -465,19 +464,17 @@ def run_suite(args):
         if t not in TOOL_SPEEDS:
             raise SystemExit(f"--suite-tools: unknown tool speed {t!r}; known: {sorted(TOOL_SPEEDS)}")
     combos = [(src, e, p, t) for src in sources for e in engines for p in pressures for t in tools]
-    out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(),
-           "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
+    out = {"benchmark": "dispatch_suite", "simulated": True, "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
            "delay_jitter": args.jitter, "seed": args.seed, "tool_speeds": TOOL_SPEEDS,
            "generator_seed": GENERATOR_SEEDS[args.split], "runs": []}
     with tqdm(total=len(combos) * len(POLICY_ORDER), desc="suite", file=sys.stderr) as bar:
         for src, e, p, t in combos:
             out["runs"].append(run_cell(src, args.split, base, e, p, t, args.per_engine, args, bar))
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(out, indent=1))  # partial results survive
+            write_json(args.json, out)  # partial results survive
     cells, summary = suite_summary(out["runs"])
     out["summary"] = summary
     out["cells"] = cells
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     print_suite(list(zip(cells, out["runs"])), summary, args.split)
     print(f"\nwrote {args.json}")
     if args.plot:
@@ -542,7 +539,7 @@ def main(argv=None):
     base = tokenize_traces(load_chat_traces(args.traces))
     combos = ([(e, l) for l in ("low", "high") for e in (4, 8, 32)] if args.sweep
               else [(args.engines, args.load)])
-    out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(),
+    out = {"benchmark": "dispatch_sim", "simulated": True,
            "preset": get_preset(args.preset).to_dict(), "tool_delay_s": args.tool_delay,
            "per_env_token_s": args.per_env_token, "delay_jitter": args.jitter,
            "seed": args.seed, "war_kwargs": war_kwargs, "runs": []}
@@ -556,8 +553,7 @@ def main(argv=None):
             tables.append((rows, info, ceiling))
     for rows, info, ceiling in tables:
         print_table(rows, info, ceiling)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     print(f"\nwrote {args.json}")
     if args.sweep and args.plot:
         import matplotlib

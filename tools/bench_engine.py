@@ -16,10 +16,12 @@ The "earlier round" is the same prompts' greedy outputs with every ``--perturb``
 token changed (GRPO siblings that agree most of the way); the measured round decodes
 the prompts greedily, so drafts are partly accepted, partly rejected. The tool also
 writes the step-latency table the switch learnt and where it landed per batch size.
+Tokens/s per batch size is the median of ``--repeats`` runs on disjoint prompts; the JSON keeps
+every run (``tokens_per_s_runs``) and the min-max.
 
 Example:
-  python tools/bench_engine.py --json results/bench_engine.json
-  python tools/bench_engine.py --fit-costs results/cost_cpu_peaked.json \
+  python tools/bench_engine.py --json benchmarks/results/engine/bench_engine.json
+  python tools/bench_engine.py --fit-costs benchmarks/results/engine/cost_cpu_peaked.json \
       --model .cache/war_tiny_llama_peaked_32768 --max-len 32768 --repeats 3
 """
 
@@ -43,7 +45,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
-from war_openrlhf.metrics import format_table, write_json  # noqa: E402
+from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 
 CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_auto")
@@ -110,7 +112,7 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
         sets = prompt_sets(prompts, batches, repeats)
         rows = []
         for b in batches:
-            best = None
+            rates = []
             before = _spec(llm)
             sw0 = llm.collective_rpc(RPC_INDEX_STATS, args=(False,))[0]["switch"] if name.startswith("war") else None
             for r in range(repeats):
@@ -120,9 +122,11 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
                 toks = sum(len(o.outputs[0].token_ids) for o in outs)
-                best = max(best or 0.0, toks / dt)
+                rates.append(toks / dt)
             after = _spec(llm)
-            row = {"config": name, "batch": b, "tokens_per_s": best,
+            tps = spread(rates)
+            row = {"config": name, "batch": b, "tokens_per_s": tps["median"], "tokens_per_s_min": tps["min"],
+                   "tokens_per_s_max": tps["max"], "tokens_per_s_runs": tps["runs"],
                    "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
                    "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
             if name.startswith("war"):
@@ -136,7 +140,8 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                 row["table"] = st["switch"]["table"]
                 row["drafter_step_us"] = st["step_trace"]["drafter_us"]
             rows.append(row)
-            print(f"  {name:12s} batch {b:3d}: {best:8.0f} tok/s", flush=True)
+            print(f"  {name:12s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
+                  flush=True)
         return start_s, rows
     finally:
         _shutdown(llm)
@@ -310,7 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--perturb", type=int, default=8, help="every n-th token of the earlier round changed")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per batch size (disjoint prompts); tokens/s is their median, every run kept")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--fit-costs", type=Path, metavar="OUT.json",

@@ -60,7 +60,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -68,6 +67,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from war_openrlhf.metrics import write_json  # noqa: E402
 
 TASKS = ("arithmetic_calculator", "sql_qa", "doc_lookup")
 BASELINES = {"openrlhf": None, "openrlhf_vllm_suffix": "suffix"}
@@ -521,7 +522,7 @@ def main(argv=None):
               "episodes_per_engine": episodes_per_engine,
               "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text}
     def write(**extra):
-        out = {"command": " ".join(["python"] + sys.argv), "machine": platform.platform(), "cuda": cuda,
+        out = {"benchmark": "rollout", "cuda": cuda,
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
                "model": str(model), "engines": args.engines, "same_engines": args.same_engines,
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
@@ -532,8 +533,7 @@ def main(argv=None):
                "trace_args": {"max_groups": args.max_groups, "seed": args.seed, "tool_latency": args.tool_latency,
                               "tool_jitter": args.tool_jitter, "per_env_token": args.per_env_token},
                **extra}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        write_json(args.json, out)
 
     write()  # the measurements are on disk before anything else can fail
     simulated = None

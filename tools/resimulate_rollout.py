@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Re-run the simulator on a finished ``bench_rollout.py`` trace benchmark with another cost
 model: the same trajectories, delays, KV and measured speculation as the run, no engines.
-Writes the run's JSON again with ``simulated`` (and the per-config columns) replaced.
+Writes the run's JSON again with ``simulated`` (and the per-config columns) replaced and the
+re-simulation's command, commit and machine under ``resimulation``.
 
     python tools/resimulate_rollout.py results/bench_rollout_traces_report_p2_sim.json \\
         --cost-model results/cost_cpu_peaked.json
@@ -10,7 +11,6 @@ Writes the run's JSON again with ``simulated`` (and the per-config columns) repl
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
     import bench_rollout as br
     from transformers import AutoTokenizer
 
-    d = json.loads(args.json.read_text())
+    from war_openrlhf.metrics import provenance, read_json, write_json
+
+    d = read_json(args.json)
     workload = d.get("workload") or ""
     if not workload.startswith("traces:"):
         raise SystemExit(f"{args.json}: workload {workload!r} is not a trace workload")
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
         s["simulated_over_measured"] = round(v["x_openrlhf"] / s["x_openrlhf"], 3) if s.get("x_openrlhf") else None
         print(f"| {c} | {s['x_openrlhf']:.2f} | {v['x_openrlhf']:.2f} | {s['simulated_over_measured']:.3f} | "
               f"{v['step_s']:.1f} |")
-    args.json.write_text(json.dumps(d, indent=1, default=str))
+    # the run's own provenance stays; the re-simulation's is recorded beside it
+    d["resimulation"] = {"cost_model": args.cost_model, **provenance()}
+    write_json(args.json, d, stamp=False)
     print(f"wrote {args.json}")
     return 0
 

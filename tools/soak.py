@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     sys.path.insert(0, str(ROOT))
+    from war_openrlhf.metrics import write_json
     from war_openrlhf.cli.cpu_demo import prepare_model
 
     print("policy:", prepare_model(Path(args.model)), flush=True)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(steps=args.steps, wall_s=round(wall, 1), faults_injected=injected,
                   engine_hung=hung, hung_engine_declared_dead="treated as hung" in text,
                   warm_up_episodes_not_dumped="the warm-up's episodes (one per engine) are not in the dumps")
-    (out / "soak.json").write_text(json.dumps(report, indent=2))
+    write_json(out / "soak.json", {"benchmark": "soak", **report}, indent=2)
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
 
