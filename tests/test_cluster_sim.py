@@ -13,7 +13,8 @@ from war_openrlhf.simulation.cluster import (ConservationError, Ledger, SimConfi
 from war_openrlhf.simulation.cost_model import PRESETS, CostModel, get_preset
 from war_openrlhf.traces import TokenizedTrajectory, Turn
 
-TRACES = Path("/work/shared/traces/tau_airline_dev.json")
+# the real agent traces live beside the checkout (<repo>/../shared/traces/), not in it
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "tau_airline_dev.json"
 
 
 def make_traj(tid, gid, prompt, n_turns, resp_len, env_len, seed):
@@ -184,7 +185,8 @@ def test_cpu_tiny_and_multi_step_run():
     assert r.load_imbalance >= 1.0
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason="trace file not present")
+@pytest.mark.skipif(not TRACES.is_file(), reason=f"real trace file not found at {TRACES} "
+                    "(expected <repo>/../shared/traces/)")
 def test_smoke_real_traces():
     from war_openrlhf.traces import group_trajectories, load_chat_traces, tokenize_traces
 

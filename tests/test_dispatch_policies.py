@@ -167,7 +167,8 @@ class _VerlLoadBalancer:
     acquire and decremented at release, ties to the first server in dict order."""
 
     def __init__(self, n, max_cache_size):
-        cachetools = pytest.importorskip("cachetools")
+        import cachetools
+
         self._inflight = {sid: 0 for sid in range(n)}
         self._cache = cachetools.LRUCache(maxsize=max_cache_size)
 

@@ -53,7 +53,8 @@ def _hf_logprobs(model, prompt, output, state_dict=None):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    ray = pytest.importorskip("ray")
+    import ray
+
     from war_openrlhf.engine.actors import create_war_engines
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,

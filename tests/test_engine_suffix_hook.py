@@ -120,7 +120,6 @@ def prompts(model_path):
 @pytest.fixture(scope="module")
 def reference(model_path, prompts):
     """Outputs of an engine without speculative decoding (then shut down)."""
-    pytest.importorskip("vllm")
     from vllm import LLM
 
     t0 = time.perf_counter()
@@ -312,7 +311,6 @@ _INPROC_CHILD = textwrap.dedent(
 
 def test_in_process_engine_collective_rpc(model_path, prompts, reference):
     """VLLM_ENABLE_V1_MULTIPROCESSING=0: engine core + worker in the caller's process."""
-    pytest.importorskip("vllm")
     args = dict(model=str(model_path), engine_args=ENGINE_ARGS, k=K, n=NEW_TOKENS, share=prompts["share"],
                 share_out=reference["share"], batch=prompts["batch"])
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -366,7 +364,6 @@ class _FakeBatch:
 
 
 def _proposer(cache, k: int = 8, depth: int = 24):
-    pytest.importorskip("vllm")
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
     p = object.__new__(SuffixDecodingProposer)  # its __init__ needs a whole VllmConfig
@@ -457,7 +454,6 @@ def _same_entries(a, b) -> bool:
 def test_wire_format_survives_vllm_msgpack_and_pickle():
     """What collective_rpc does to the arguments in multiprocessing mode:
     msgpack driver -> engine core (vLLM's own encoder), pickle engine core -> worker."""
-    pytest.importorskip("vllm")
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     entries = _log().read(0)

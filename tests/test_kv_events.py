@@ -13,11 +13,11 @@ import msgspec
 import numpy as np
 import pytest
 
+import vllm.distributed.kv_events as kv
+
 from war_openrlhf.dispatch.block_index import BLOCK_SIZE, BlockHashIndex, chain_hashes
 from war_openrlhf.dispatch.kv_events import KvEventTranslator
 from war_openrlhf.engine.kv_events import events_to_wire
-
-kv = pytest.importorskip("vllm.distributed.kv_events")
 
 
 def _vllm_hash(parent, tokens) -> bytes:

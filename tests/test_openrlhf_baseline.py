@@ -96,7 +96,8 @@ def tokenizer(model_path):
 def rollout(model_path, tokenizer, tmp_path_factory):
     """The one real run: start two OpenRLHF engines (cores 0 and 1), park PRELOAD long
     requests on engine 0, run the rollout, let the parked requests finish, shut down."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     from vllm import SamplingParams
 
     agent = tmp_path_factory.mktemp("agent") / "agent_func.py"

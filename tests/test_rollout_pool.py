@@ -92,7 +92,8 @@ def _config(model_path, agent_file, **kw):
 
 @pytest.fixture(scope="module")
 def pool(model_path, agent_file):
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     # restart: the last test kills an engine and checks that a new actor takes its place

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("matplotlib")
-
-from war_openrlhf.metrics.run_summary import _matching, plot, reward_ends, summary_lines  # noqa: E402
+from war_openrlhf.metrics.run_summary import _matching, plot, reward_ends, summary_lines
 
 
 def _scalars(rewards, engines=12):

@@ -164,7 +164,8 @@ def test_top_p_mask_matches_vllms_own_top_p():
     """The check's nucleus is vLLM's (apply_top_k_top_p_pytorch), token for token."""
     import torch
 
-    topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    from vllm.v1.sample.ops import topk_topp_sampler as topk_topp
+
     from war_openrlhf.checks.sampling_equivalence import excluded_by_top_p, sampling_log_probs
 
     g = torch.Generator().manual_seed(0)

@@ -10,12 +10,9 @@ import sys
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-_C = pytest.importorskip("arctic_inference.suffix_decoding._C")
-SuffixTree = _C.SuffixTree
+from arctic_inference.suffix_decoding._C import SuffixTree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from suffix_reference import (  # noqa: E402

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
 from war_openrlhf.fixtures import tiny_policy  # noqa: E402
 from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402

@@ -90,7 +90,8 @@ def test_the_shared_tau_traces_split_into_two_halves_of_the_tasks():
 
 @pytest.fixture(scope="module")
 def engines():
-    ray = pytest.importorskip("ray")
+    import ray
+
     from war_openrlhf.engine.actors import create_war_engines
     from war_openrlhf.engine.config import EngineConfig
     from war_openrlhf.fixtures.tiny_model import build_tiny_model

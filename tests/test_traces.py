@@ -147,7 +147,8 @@ def _template_messages(raw_messages):
 
 
 def _official_render(raw_messages, add_generation_prompt):
-    chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    from transformers.utils import chat_template_utils
+
     rendered, _ = chat_template_utils.render_jinja_template(
         conversations=[_template_messages(raw_messages)],
         chat_template=QWEN25_CHAT_TEMPLATE,

