@@ -344,6 +344,21 @@ def suite_summary(runs):
            "cells_ceiling_ge_1_8": len(very),
            "min_war_x_least_loaded_where_ceiling_ge_1_8":
                min((c["war_x_least_loaded"] for c in very), default=None)}
+    def where(c):
+        w = c["cell"]
+        return {k: w[k] for k in ("source", "engines", "pressure", "tools")}
+
+    # the cell behind each minimum, and how many cells meet each target (prose quotes these)
+    out["min_war_over_best_peer_cell"] = where(min(cells, key=lambda c: c["war_over_best_peer"]))
+    if roomy:
+        out["min_war_over_best_peer_where_ceiling_ge_1_2_cell"] = where(
+            min(roomy, key=lambda c: c["war_over_best_peer"]))
+        out["cells_war_ge_1_1_best_peer_where_ceiling_ge_1_2"] = sum(c["war_over_best_peer"] >= 1.1 for c in roomy)
+    if very:
+        out["min_war_x_least_loaded_where_ceiling_ge_1_8_cell"] = where(
+            min(very, key=lambda c: c["war_x_least_loaded"]))
+        out["cells_war_ge_1_6_least_loaded_where_ceiling_ge_1_8"] = sum(c["war_x_least_loaded"] >= 1.6 for c in very)
+    out["cells_war_ge_0_98_best_peer"] = sum(r >= 0.98 for r in ratios)
     out["targets"] = {
         "min war/best peer >= 0.98": out["min_war_over_best_peer"] >= 0.98,
         "war >= 1.1x best peer where ceiling >= 1.2": (
@@ -377,6 +392,15 @@ def print_suite(cells, summary, split):
           f"{summary['geomean_war_over_best_peer']:.3f})")
     for k, v in summary["targets"].items():
         print(f"- target {k}: {'met' if v else 'MISSED'}")
+    for k in ("min_war_over_best_peer_cell", "min_war_over_best_peer_where_ceiling_ge_1_2_cell",
+              "min_war_x_least_loaded_where_ceiling_ge_1_8_cell"):
+        if k in summary:
+            print(f"  {k[:-5]}: {summary[k]}")
+    print(f"  cells war >= 0.98 x best peer: {summary['cells_war_ge_0_98_best_peer']} of {summary['cells']}; "
+          f"war >= 1.1x best peer where ceiling >= 1.2: "
+          f"{summary.get('cells_war_ge_1_1_best_peer_where_ceiling_ge_1_2', 0)} of {summary['cells_ceiling_ge_1_2']}; "
+          f"war >= 1.6x least_loaded where ceiling >= 1.8: "
+          f"{summary.get('cells_war_ge_1_6_least_loaded_where_ceiling_ge_1_8', 0)} of {summary['cells_ceiling_ge_1_8']}")
 
 
 def plot_suite(cells, path, split):
