@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "baselines": {"config_checks", "cpu", "device", "dispatch", "engine", "rollout"},
     "training": {"engine", "rollout", "dispatch"},
     "integrations": {"cpu", "device", "engine", "rollout", "training"},
-    "preflight": {"engine", "fixtures", "integrations", "speculation"},
+    "preflight": {"cpu", "engine", "fixtures", "integrations", "speculation"},
     "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",
             "model_source", "preflight", "rollout", "speculation", "training"},
 }

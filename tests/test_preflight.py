@@ -19,7 +19,8 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(out.read_text())}
-    assert list(results) == ["cuda", "flash_attn", "fused_adam", "vllm", "arctic", "openrlhf", "engine", "nccl"]
+    assert list(results) == ["cuda", "flash_attn", "fused_adam", "vllm", "cpu_attn", "arctic", "openrlhf", "engine",
+                             "nccl"]
     for name, r in results.items():
         assert f"] {name}" in proc.stdout  # one line each
         assert r["status"] in ("ok", "skip"), r
@@ -29,4 +30,4 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
         assert {n for n, r in results.items() if r["status"] == "skip"} == {"cuda", "flash_attn", "fused_adam", "nccl"}
         assert "CPU build" in results["cuda"]["detail"] or "sees no GPU" in results["cuda"]["detail"]
     assert results["engine"]["status"] == "ok" and "greedy on == off" in results["engine"]["detail"]
-    assert "preflight: 4 ok" in proc.stdout or torch.cuda.is_available()
+    assert "preflight: 5 ok" in proc.stdout or torch.cuda.is_available()

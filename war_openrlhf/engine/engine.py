@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -41,6 +43,7 @@ from .rpc import (
     war_extra_args,
 )
 from .wire import entries_to_wire, tensors_to_wire
+from .worker_faults import ENV_FAULT_DIR, WorkerKilled, explain_engine_death, read_worker_faults
 
 
 class _SchedulerStatsLogger:
@@ -162,6 +165,7 @@ class WarEngine:
         self._last_sync_error: str | None = None
         self._flusher: asyncio.Task | None = None
         self.llm = None
+        self._fault_dir: str | None = None  # where this engine's vLLM processes record a fatal signal
         self._stats_logger = None
         self._kv_events = None  # KvEventSubscriber when config.kv_events
 
@@ -187,11 +191,15 @@ class WarEngine:
             holder["logger"] = _SchedulerStatsLogger(vllm_config, engine_index)
             return holder["logger"]
 
+        # each vLLM process this engine starts records a fatal signal here (worker_faults plugin)
+        self._fault_dir = tempfile.mkdtemp(prefix=f"war-engine{self.engine_index}-faults-")
+        os.environ[ENV_FAULT_DIR] = self._fault_dir
         try:
             self.llm = vllm.AsyncLLMEngine.from_engine_args(
                 AsyncEngineArgs(**kwargs), stat_loggers=[factory]
             )
         except Exception as exc:  # make vLLM's start-up failures say what to change
+            self._raise_if_killed(exc)
             raise RuntimeError(
                 f"engine {self.engine_index}: vLLM failed to start ({type(exc).__name__}: {exc}); check "
                 "EngineConfig.model / dtype / max_model_len / kv_cache_space_gib (CPU) or "
@@ -212,6 +220,13 @@ class WarEngine:
 
             self.executor = _load_agent_executor(self._agent_func_path)
         return await self.stats()
+
+    def _raise_if_killed(self, exc: BaseException) -> None:
+        """Raise :class:`WorkerKilled` (which signal, which engine, what to try) when ``exc`` is vLLM
+        reporting a dead engine."""
+        why = explain_engine_death(self.engine_index, self._fault_dir, exc)
+        if why is not None:
+            raise WorkerKilled(why) from exc
 
     async def vllm_cpu_fixes(self) -> dict[str, Any]:
         """What ``war_openrlhf.cpu.vllm_fixes`` applied in this engine's worker process, and whether
@@ -246,6 +261,9 @@ class WarEngine:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        fault_dir = self._fault_dir
+        if fault_dir and not read_worker_faults(fault_dir):  # a record that explains a death stays
+            shutil.rmtree(fault_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ generation
     async def generate_tokens(
@@ -274,9 +292,13 @@ class WarEngine:
         t0 = time.perf_counter()
         version_at_start = self.weight_version
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                           sampling_params, request_id=rid):
-            final = out
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+                                               sampling_params, request_id=rid):
+                final = out
+        except Exception as exc:
+            self._raise_if_killed(exc)
+            raise
         completion = final.outputs[0]
         timing = _engine_timing(final.metrics)
         logprobs = []

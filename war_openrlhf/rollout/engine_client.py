@@ -47,8 +47,15 @@ class EngineDead(RuntimeError):
     """The engine's actor is gone; the client is marked unhealthy."""
 
 
+#: errors (by class name, as they cross Ray) that say the actor lives but its vLLM engine died
+_VLLM_DIED = ("EngineDeadError", "WorkerKilled")
+
+
 def actor_died(exc: BaseException) -> bool:
-    """True if ``exc`` means the engine actor is gone (not a bad request)."""
+    """True if ``exc`` means the engine is gone (not a bad request): its actor died, or its vLLM
+    engine inside a live actor did (a worker killed by a signal)."""
+    if any(cls.__name__ in _VLLM_DIED for cls in type(exc).__mro__):
+        return True
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:  # pragma: no cover
@@ -147,7 +154,8 @@ class EngineClient:
     def mark_dead(self, exc: BaseException) -> None:
         if self.healthy:
             self.healthy = False
-            self.error = f"{type(exc).__name__}: {exc}"[:500]
+            cause = getattr(exc, "cause", None) or exc  # Ray's task error carries the actor's own
+            self.error = f"{type(cause).__name__}: {cause}"[:500]
             import logging
 
             logging.getLogger(__name__).warning("engine %d marked dead (%s); its turns go to the other engines",
