@@ -167,7 +167,7 @@ def test_sliced_application_ends_in_the_state_of_applying_at_once(seed, chunk, b
     slices, and once drained the replica is exactly the one that applied everything at once."""
     rng = np.random.default_rng(seed)
     log, a, b = _three_versions_and_two_replicas(rng, budget, lag, group_trees)
-    b._CHUNK = chunk
+    b._replica.chunk = chunk
     a.sync(log)
     assert b.enqueue(log.read(0)) == log.last_seq
     assert b.applied_seq == 0 and b.pending_entries == log.last_seq
@@ -180,7 +180,7 @@ def test_sliced_application_ends_in_the_state_of_applying_at_once(seed, chunk, b
         if slices % probe_every == 0:
             _drafts(b, contexts[:3])  # drafting mid-application works
     assert slices >= log.last_seq  # one entry per slice at most (with chunk-sized records, more)
-    assert b.applied_seq == a.applied_seq == log.last_seq and b._rebuilding is None
+    assert b.applied_seq == a.applied_seq == log.last_seq and b._replica.rebuilding is None
     assert {k: v for k, v in b.stats().items() if "seconds" not in k} == {
         k: v for k, v in a.stats().items() if "seconds" not in k}
     assert _drafts(a, contexts) == _drafts(b, contexts)
@@ -235,7 +235,7 @@ def test_eviction_keeps_the_budget_and_drops_oldest_first(seed, budget, frac):
         seen.append(log.last_seq)
         index.sync(log)
         assert index.indexed_tokens <= budget
-        held = list(index._records)  # survivors are the newest records, in order
+        held = list(index._replica.records)  # survivors are the newest records, in order
         assert held == seen[len(seen) - len(held):]
     assert index.stats()["records_evicted"] > 0
     # memory tracks the budget, not the history
@@ -300,15 +300,15 @@ def test_trajectory_tree_is_extended_across_turns_not_rebuilt():
     index.start_request("t/0", [1, 2, 3], trajectory_id="t")
     index.extend_request("t/0", [4, 5, 6, 7])
     index.stop_request("t/0")
-    tree_before = index._trajectories["traj:t"]
+    tree_before = index._local.trajectories["traj:t"]
     index.start_request("t/1", [1, 2, 3, 4, 5, 6, 7, 9, 9])
     index.stop_request("t/1")
     index.start_request("t/2", [1, 2, 3, 4, 5, 6, 7, 9, 9, 8], trajectory_id="t")
-    assert index._trajectories["traj:t"] is tree_before and tree_before.length == 10
+    assert index._local.trajectories["traj:t"] is tree_before and tree_before.length == 10
     # a prompt that does not extend it replaces it
     index.stop_request("t/2")
     index.start_request("t/3", [2, 2, 2], trajectory_id="t")
-    assert index._trajectories["traj:t"] is not tree_before
+    assert index._local.trajectories["traj:t"] is not tree_before
 
 
 # ------------------------------------------------------------------ bad input

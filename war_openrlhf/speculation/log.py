@@ -23,10 +23,6 @@ class LogEntry:
     record: CompletedSequence | None = None
     policy_version: int | None = None
 
-    @property
-    def is_record(self) -> bool:
-        return self.record is not None
-
 
 class LogTruncatedError(LookupError):
     """A replica asked for entries the log has already dropped."""
