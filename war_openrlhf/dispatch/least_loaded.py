@@ -93,9 +93,6 @@ class LeastLoadedPolicy(DispatchPolicy):
         self._traj_group[request.trajectory_id] = gid
         return eid
 
-    def engine_of_group(self, group_id: str) -> Optional[int]:
-        return self._group_engine.get(group_id)
-
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         gid = self._traj_group.pop(trajectory_id, None)
         if gid is None:

@@ -282,9 +282,6 @@ def _sync_trainer_cls(config: RolloutConfig):
             # prefix caches dropped, engines' weight version advanced (the one hook of both trainers)
             self.samples_generator.pool.advance_policy_version(after_weight_sync(self.vllm_engines))
 
-        def war_rollout_metrics(self) -> dict[str, Any]:
-            return dict(self.samples_generator.metrics)
-
     return WarPPOTrainer
 
 
