@@ -42,7 +42,13 @@ def _refused(argv, capsys) -> str:
     (["--train.agent_func_path", "/nope/agent.py"], "--train.agent_func_path: /nope/agent.py does not exist"),
     (["--data.prompt_dataset", "/nope/train.jsonl"], "--data.prompt_dataset: /nope/train.jsonl does not exist"),
     (["--actor.model_name_or_path", "/nope/model"], "--actor.model_name_or_path: '/nope/model' is not a directory"),
-    (["--war.dispatch_kwargs.bogus", "1"], r"war\.dispatch_kwargs \(war\): .*unexpected keyword argument 'bogus'"),
+    (["--war.dispatch_kwargs.bogus", "1"],
+     r"--war options: RolloutConfig\.dispatch_kwargs: unknown option 'bogus' of dispatch policy 'war' \(its options: "
+     r"kv_capacity_tokens, admission\)"),
+    (["--war.dispatch_kwargs.admission", "maybe"],
+     r"--war options: RolloutConfig\.dispatch_kwargs: option 'admission' of dispatch policy 'war' must be bool"),
+    (["--war.dispatch_kwargs.kv_capacity_tokens", "[1024, 1024, 1024]"],
+     r"war\.dispatch_kwargs \(war\): kv_capacity_tokens has 3 entries for 2 engines \(--vllm\.num_engines 2\)"),
     (["--war.max_turn", "3"], "unknown key 'max_turn'"),
     (["--war.tool_timeout_s", ".nan"], "key 'tool_timeout_s' must be a finite number"),
     (["--train.partial_rollout_enable"], "OpenRLHF refused the arguments: --train.partial_rollout_enable requires"),
@@ -93,6 +99,45 @@ def test_help_lists_war_keys_with_defaults_and_openrlhfs_arguments(capsys):
     out = capsys.readouterr().out
     assert "engine.num_speculative_tokens" in out and "most draft tokens verified per request-step" in out
     assert "dispatch_kwargs of dispatch_policy war: kv_capacity_tokens=None, admission=True" in out
+    assert "  admission: hold new trajectories back while the engines' KV is short" in out
+    assert "dispatch_kwargs of dispatch_policy sticky: lru_capacity=10000" in out  # every policy's options
+    assert "dispatch_kwargs of dispatch_policy round_robin: (none)" in out
     assert "engine.model                           (set by OpenRLHF's --actor.model_name_or_path)" in out
     assert "--actor.model_name_or_path" in out and "--rollout.n_samples_per_prompt" in out  # OpenRLHF's
     assert "--preflight" in out and "--ray-address" in out
+
+
+def test_openrlhfs_arguments_are_parsed_once_and_the_trainer_gets_the_one_frozen_settings(run_args, monkeypatch):
+    """war-train parses OpenRLHF's arguments once (counted at argparse), builds the settings
+    once, and hands that object, unchanged, to the trainer classes; train(args) gets the
+    namespace parsed before Ray started (Ray, the seams and the trainer are stubbed here)."""
+    import argparse
+    import dataclasses
+    import importlib
+
+    import war_openrlhf.cli.train_ppo as cli
+    import war_openrlhf.integrations.openrlhf as seams
+    from war_openrlhf.rollout import RolloutConfig
+
+    argv, _ = run_args
+    parses, installed, trained = [], [], []
+    real_parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: parses.append(1) or real_parse(self, *a, **k))
+    built = []
+    real_from_dict = RolloutConfig.from_dict.__func__
+    monkeypatch.setattr(RolloutConfig, "from_dict",
+                        classmethod(lambda cls, data, source="RolloutConfig": built.append(source)
+                                    or real_from_dict(cls, data, source)))
+    monkeypatch.setattr(cli, "_ray_init", lambda address=None: "cpu")
+    monkeypatch.setattr(seams, "install", lambda settings: installed.append(settings) or [])
+    module = importlib.import_module("openrlhf.cli.train_ppo_ray")
+    monkeypatch.setattr(module, "train", lambda args: trained.append(args))
+    main(argv + ["--war.max_turns", "3"])
+    assert len(parses) == 1, f"OpenRLHF's arguments parsed {len(parses)} times"
+    assert built.count("WAR settings + OpenRLHF arguments") == 1, built
+    (settings,), (args,) = installed, trained
+    assert isinstance(settings, RolloutConfig) and settings.max_turns == 3
+    assert settings.num_engines == args.vllm.num_engines and settings.engine.model == args.actor.model_name_or_path
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_turns = 4

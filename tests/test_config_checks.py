@@ -70,3 +70,48 @@ def test_hysteresis_must_stay_below_threshold():
     with pytest.raises(ValueError, match=r"SpecSwitchConfig\.hysteresis: must be below threshold \(1\.0\)"):
         SpecSwitchConfig(threshold=1.0, hysteresis=1.0)
     SpecSwitchConfig(threshold=1.0, hysteresis=0.0)  # the lower bound is inclusive
+
+
+def test_rollout_settings_are_frozen():
+    import dataclasses
+
+    cfg = RolloutConfig(engine={"speculation": "off"}, kv_events=True)
+    assert cfg.engine.speculation == "off" and cfg.engine.kv_events  # settled while building
+    for name, value in (("temperature", 0.5), ("dispatch_kwargs", {}), ("engine", cfg.engine)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cfg, name, value)
+    other = dataclasses.replace(cfg, temperature=0.5)  # another object; the first is unchanged
+    assert (other.temperature, cfg.temperature) == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dispatch_kwargs={"bogus": 1}),
+     r"/r\.yaml: RolloutConfig\.dispatch_kwargs: unknown option 'bogus' of dispatch policy 'war' "
+     r"\(its options: kv_capacity_tokens, admission\)$"),
+    (dict(dispatch_kwargs={"admission": "yes"}),
+     r"/r\.yaml: RolloutConfig\.dispatch_kwargs: option 'admission' of dispatch policy 'war' must be bool, got 'yes'$"),
+    (dict(dispatch_kwargs={"kv_capacity_tokens": [1024, "lots"]}),
+     r"option 'kv_capacity_tokens' of dispatch policy 'war' must be null or int or a list of int"),
+    (dict(dispatch_policy="sticky", dispatch_kwargs={"lru_capacity": -1}),
+     r"/r\.yaml: RolloutConfig\.dispatch_kwargs: dispatch policy 'sticky': lru_capacity must be positive, got -1$"),
+    (dict(dispatch_policy="verl_kv_aware", dispatch_kwargs={"load_weights": [0.5, 0.5]}),
+     r"dispatch policy 'verl_kv_aware': load_weights must be 4 non-negative numbers"),
+    (dict(dispatch_policy="round_robin", dispatch_kwargs={"admission": True}),
+     r"unknown option 'admission' of dispatch policy 'round_robin' \(its options: none\)"),
+])
+def test_a_bad_dispatch_option_names_the_option_the_policy_and_the_file(tmp_path, kwargs, message):
+    import yaml
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(kwargs))
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig.from_yaml(path)
+
+
+def test_dispatch_options_are_typed():
+    from war_openrlhf.dispatch.sticky import StickyOptions
+    from war_openrlhf.dispatch.war import WarOptions
+
+    assert RolloutConfig().dispatch_options == WarOptions()
+    cfg = RolloutConfig(dispatch_policy="sticky", dispatch_kwargs={"lru_capacity": 5})
+    assert cfg.dispatch_options == StickyOptions(lru_capacity=5)

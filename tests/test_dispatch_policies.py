@@ -65,6 +65,36 @@ def test_negative_capacities():
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
+def test_each_policy_declares_typed_options_matching_its_constructor(name):
+    import dataclasses
+    import inspect
+
+    from war_openrlhf.dispatch import PolicyOptions
+
+    cls = POLICIES[name]
+    assert issubclass(cls.Options, PolicyOptions) and cls.Options.__module__ == cls.__module__
+    params = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+              if k not in ("self", "num_engines")}
+    assert {f.name: f.default for f in dataclasses.fields(cls.Options)} == params
+    options = cls.Options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.x = 1
+    assert make_policy(name, 2, options).name == name  # built from the typed options
+
+
+def test_make_policy_takes_typed_options_or_keywords_not_both():
+    from war_openrlhf.dispatch.sticky import StickyOptions
+
+    assert make_policy("sticky", 2, StickyOptions(lru_capacity=3)).lru_capacity == 3
+    with pytest.raises(ValueError, match="bad configuration for 'war': pass a WarOptions"):
+        make_policy("war", 2, StickyOptions())
+    with pytest.raises(ValueError, match="pass a StickyOptions or keyword options"):
+        make_policy("sticky", 2, StickyOptions(), lru_capacity=3)
+    with pytest.raises(ValueError, match="kv_capacity_tokens has 3 entries for 2 engines"):
+        make_policy("war", 2, kv_capacity_tokens=[1, 2, 3])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_no_healthy_engine_raises(name):
     pol = make_policy(name, 2)
     with pytest.raises(NoHealthyEngineError, match="no healthy engine"):

@@ -44,8 +44,34 @@ def test_cli_config_errors_name_key_and_file(tmp_path):
     assert war == cfg["war"] and "--train.agent_func_path" in rest
 
 
+
+def test_a_bad_dispatch_option_names_the_field_and_its_file(tmp_path):
+    from war_openrlhf.cli.train_ppo import parse_argv
+
+    policy, opts = tmp_path / "policy.yaml", tmp_path / "opts.yaml"
+    policy.write_text("war:\n  dispatch_policy: sticky\n")
+    opts.write_text("war:\n  dispatch_kwargs:\n    lru_capacity: 0\n")
+    with pytest.raises(ValueError, match=r"opts\.yaml: RolloutConfig\.dispatch_kwargs: dispatch policy 'sticky': "
+                                         r"lru_capacity must be positive, got 0"):
+        parse_argv(["--config", str(policy), "--config", str(opts)])  # checked against the run's policy
+    with pytest.raises(ValueError, match=r"^--war options: RolloutConfig\.dispatch_kwargs: unknown option 'admission' "
+                                         r"of dispatch policy 'sticky' \(its options: lru_capacity\)"):
+        parse_argv(["--war.dispatch_kwargs.admission", "false", "--config", str(policy)])
+    war, _ = parse_argv(["--war.dispatch_kwargs.lru_capacity", "5", "--config", str(policy)])
+    assert war == {"dispatch_policy": "sticky", "dispatch_kwargs": {"lru_capacity": 5}}
+
+
+def _args(**rollout):
+    from types import SimpleNamespace as NS
+
+    return NS(actor=NS(model_name_or_path="/models/m"), data=NS(max_len=3000), train=NS(seed=7, agent_func_path="a.py"),
+              vllm=NS(num_engines=3, enforce_eager=False), rollout=NS(n_samples_per_prompt=8, temperature=0.9,
+                                                                      top_p=0.95, **rollout))
+
+
 def test_settings_openrlhf_defines_are_refused_and_cli_options_beat_files(tmp_path):
-    from war_openrlhf.cli.train_ppo import parse_argv, rollout_config
+    from war_openrlhf.cli.train_ppo import parse_argv
+    from war_openrlhf.integrations.openrlhf import war_settings
 
     run = tmp_path / "run.yaml"
     run.write_text("openrlhf: {}\nwar:\n  temperature: 0.7\n")
@@ -56,7 +82,7 @@ def test_settings_openrlhf_defines_are_refused_and_cli_options_beat_files(tmp_pa
     run.write_text("openrlhf: {}\nwar:\n  engine:\n    speculation: auto\n    num_speculative_tokens: 4\n")
     war, _ = parse_argv(["--war.engine.speculation", "off", "--config", str(run)])
     assert war == {"engine": {"speculation": "off", "num_speculative_tokens": 4}}  # before --config: not lost
-    assert rollout_config(war).max_new_tokens_per_turn is None  # OpenRLHF's: the context bounds a turn
+    assert war_settings(war, _args()).max_new_tokens_per_turn is None  # OpenRLHF's: the context bounds a turn
 
 
 def test_merge_takes_what_openrlhf_defines_from_openrlhf():

@@ -164,3 +164,76 @@ def config_path(name: str) -> Path:
         known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
         raise ValueError(f"config_path: no shipped config '{name}' (known: {known})")
     return path
+
+
+def _type_label(tp: Any) -> str:
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is type(None):
+        return "null"
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        return " or ".join(_type_label(a) for a in args)
+    if origin in (list, tuple) or (origin is not None and getattr(origin, "__name__", "") == "Sequence"):
+        return f"a list of {_type_label(args[0])}" if args else "a list"
+    if origin is not None and getattr(origin, "__name__", "") in ("Mapping", "dict"):
+        return f"a mapping of {_type_label(args[0])} to {_type_label(args[1])}" if len(args) == 2 else "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def value_fits(value: Any, tp: Any) -> bool:
+    """``value`` (as YAML or a command line gives it) fits the annotation ``tp``: bool, int,
+    float (an int fits), str, None, ``X | Y``, ``Sequence[X]`` / ``tuple[X, ...]`` (a list or a
+    tuple), ``Mapping[K, V]``. Bools are not numbers; numbers must be finite."""
+    import typing
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True
+    if tp is type(None):
+        return value is None
+    if origin is typing.Union or type(tp).__name__ == "UnionType":
+        return any(value_fits(value, a) for a in args)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    name = getattr(origin, "__name__", "")
+    if origin in (list, tuple) or name == "Sequence":
+        if not isinstance(value, (list, tuple)):
+            return False
+        item = args[0] if args else Any
+        return all(value_fits(v, item) for v in value)
+    if name in ("Mapping", "dict"):
+        if not isinstance(value, Mapping):
+            return False
+        k, v = args if len(args) == 2 else (Any, Any)
+        return all(value_fits(a, k) and value_fits(b, v) for a, b in value.items())
+    return isinstance(value, tp) if isinstance(tp, type) else True
+
+
+def typed_from_dict(cls: type[T], data: Any, source: str, *, owner: str = "") -> T:
+    """Build the dataclass ``cls`` (options) from a mapping, checking each value against the
+    field's annotation (:func:`value_fits`). An unknown option, a wrong type, or a value the
+    class rejects raises one ``ValueError`` naming the option, ``owner`` (whose options these
+    are) and ``source`` (a file, or a field path)."""
+    import typing
+
+    of = f" of {owner}" if owner else ""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{source}: expected a mapping of the options{of}, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    for key, value in data.items():
+        if key not in known:
+            raise ValueError(f"{source}: unknown option '{key}'{of} (its options: {', '.join(known) or 'none'})")
+        if not value_fits(value, hints[key]):
+            raise ValueError(f"{source}: option '{key}'{of} must be {_type_label(hints[key])}, got {value!r}")
+    try:
+        return cls(**data)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {owner + ': ' if owner else ''}{exc}") from None

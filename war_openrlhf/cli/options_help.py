@@ -3,14 +3,15 @@
 The text comes from the shipped default configs (``configs/rollout.yaml``, ``engine.yaml``,
 ``suffix_index.yaml``: the documented defaults, one comment per key) and the option set of
 :class:`~war_openrlhf.rollout.RolloutConfig` (so a key without a comment still appears,
-with its default), plus the options of the ``war`` dispatcher (``dispatch_kwargs``).
+with its default), plus each dispatch policy's options (``dispatch_kwargs``: the fields of the
+policy's typed options, :class:`~war_openrlhf.dispatch.PolicyOptions`, with their defaults and
+meanings).
 """
 
 from __future__ import annotations
 
-import inspect
 import re
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from ..config_checks import config_path
@@ -81,8 +82,20 @@ def war_option_defaults() -> dict[str, Any]:
     return _flatten(asdict(RolloutConfig()))
 
 
+def dispatch_options_help() -> list[str]:
+    """``dispatch_kwargs`` of each dispatch policy: its options' defaults, then their meanings."""
+    from ..dispatch import POLICIES
+
+    lines: list[str] = []
+    for name, policy in POLICIES.items():
+        opts = fields(policy.Options)
+        defaults = ", ".join(f"{f.name}={f.default!r}" for f in opts)
+        lines.append(f"dispatch_kwargs of dispatch_policy {name}: {defaults or '(none)'}")
+        lines += [f"  {f.name}: {f.metadata['help']}" for f in opts if f.metadata.get("help")]
+    return lines
+
+
 def war_help() -> str:
-    from ..dispatch.war import WarDispatchPolicy
     from ..integrations.openrlhf import OPENRLHF_OWNED
 
     notes = {**_comments("suffix_index", "engine.index."), **_comments("engine", "engine."),
@@ -94,10 +107,6 @@ def war_help() -> str:
             lines.append(f"  {key:<38} (set by OpenRLHF's --{owner})")
             continue
         lines.append(f"  {key:<38} {default!r:<12} {notes.get(key, '')}".rstrip())
-    sig = inspect.signature(WarDispatchPolicy.__init__)
-    opts = ", ".join(f"{p.name}={p.default!r}" for p in sig.parameters.values()
-                     if p.default is not inspect.Parameter.empty)
-    lines += ["", f"dispatch_kwargs of dispatch_policy war: {opts}",
-              "  kv_capacity_tokens: KV tokens per engine (None: read from the engines' reports);",
-              "  admission: hold new trajectories back while the engines' KV is short (true/false)"]
+    lines += ["", "Dispatch policy options (--war.dispatch_kwargs.KEY VALUE; checked against dispatch_policy):"]
+    lines += dispatch_options_help()
     return "\n".join(lines)

@@ -17,10 +17,12 @@ key and the file.
 What it changes in OpenRLHF, and nothing else, is in one module,
 :mod:`war_openrlhf.integrations.openrlhf`: ``create_vllm_engines`` builds WAR engine actors and
 the trainer class is OpenRLHF's own ``PPOTrainer`` / ``PPOTrainerAsync`` with the WAR pool as
-its samples generator. The WAR settings go to the trainer as a validated
-:class:`~war_openrlhf.rollout.RolloutConfig` object. Settings that OpenRLHF's arguments define
-(model, lengths, seed, engine count, agent file, samples per prompt, temperature, top-p) are
-refused in the WAR settings. In a CPU run (the cluster has no CUDA GPU, decided once by this
+its samples generator. The driver resolves the settings once: each WAR source (file, ``--war.*``
+options) is checked as it is read, OpenRLHF's arguments are parsed and checked once, and one
+frozen :class:`~war_openrlhf.rollout.RolloutConfig` is built from both
+(:func:`~war_openrlhf.integrations.openrlhf.war_settings`), checked, and shipped to the trainer
+as it is. Settings that OpenRLHF's arguments define (model, lengths, seed, engine count, agent
+file, samples per prompt, temperature, top-p) are refused in the WAR settings. In a CPU run (the cluster has no CUDA GPU, decided once by this
 driver), the CPU support (:mod:`war_openrlhf.cpu`) is applied in this process and in every Ray
 worker; in a GPU run never.
 """
@@ -76,11 +78,11 @@ def openrlhf_argv(section: dict, source: str) -> list[str]:
 
 
 def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
-    """Split ``argv`` into the WAR settings (a dict) and train_ppo_ray's arguments."""
-    import yaml
-
+    """Split ``argv`` into the WAR settings (a mapping of WAR keys: the files' sections, then the
+    ``--war.KEY`` options over them) and train_ppo_ray's arguments. Each source is checked on
+    its own, so that a bad key, type or value names its file (or ``--war options``)."""
     war: dict = {}  # --war.KEY options: they override every file, in any order
-    from_files: dict = {}
+    sources: list[tuple[str, dict]] = []  # (file, its WAR section), in order
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -103,9 +105,10 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
                 section = data.get("war") or {}
             else:
                 section = data.get("war", data)
-            RolloutConfig.from_dict(section, source=path)  # names a bad key with its file
+            if not isinstance(section, dict):
+                raise ValueError(f"{path}: the WAR settings must be a mapping of keys, got {type(section).__name__}")
             refuse_openrlhf_owned(section, path)
-            from_files = _deep_merge(from_files, section)  # a later file overrides an earlier one
+            sources.append((path, section))
             continue
         if tok.startswith("--war."):
             key = tok[len("--war."):]
@@ -122,9 +125,22 @@ def parse_argv(argv: list[str]) -> tuple[dict, list[str]]:
         rest.append(tok)
         i += 1
     refuse_openrlhf_owned(war, "--war options")
-    war = _deep_merge(from_files, war)
-    RolloutConfig.from_dict(war, source="--war options")
-    return war, rest
+    sources.append(("--war options", war))
+    merged: dict = {}
+    for _, section in sources:  # a later file overrides an earlier one; --war options override all
+        merged = _deep_merge(merged, section)
+    policy = merged.get("dispatch_policy", RolloutConfig.dispatch_policy)
+    for source, section in sources:
+        _check_source(section, source, policy)
+    return merged, rest
+
+
+def _check_source(section: dict, source: str, policy: Any) -> None:
+    """One source's WAR keys, types and values (``dispatch_kwargs`` against the run's policy);
+    a ``ValueError`` names ``source``."""
+    if section.get("dispatch_kwargs") is not None and "dispatch_policy" not in section and isinstance(policy, str):
+        section = {**section, "dispatch_policy": policy}
+    RolloutConfig.from_dict(section, source=source)
 
 
 def _deep_merge(low: dict, high: dict) -> dict:
@@ -133,12 +149,6 @@ def _deep_merge(low: dict, high: dict) -> dict:
     for key, value in high.items():
         out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
-
-
-def rollout_config(war: dict) -> RolloutConfig:
-    """The validated WAR settings handed to the trainer. Unset ``max_new_tokens_per_turn`` is
-    ``None`` here: only the context bounds a turn, as in OpenRLHF's own agent executor."""
-    return RolloutConfig.from_dict({"max_new_tokens_per_turn": None, **war}, source="WAR settings")
 
 
 def _ray_env() -> dict[str, str]:
@@ -217,13 +227,13 @@ def _ray_address(argv: list[str]) -> tuple[str | None, list[str]]:
 _DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
 
 
-def check_before_start(config: RolloutConfig, args: Any) -> RolloutConfig:
-    """Everything that can be checked before Ray starts, against OpenRLHF's parsed arguments:
-    the model resolves (local directory or hub id), the agent file exists and defines an agent,
-    local dataset files exist, the merged WAR settings and the dispatcher's options are valid.
-    Returns the merged settings; raises ``ValueError`` naming the argument or key."""
-    from ..dispatch import make_policy
-    from ..integrations.openrlhf import merge_openrlhf_args
+def check_before_start(war: dict, args: Any) -> RolloutConfig:
+    """The run's settings, built once and checked once before Ray starts: the model resolves
+    (local directory or hub id), the agent file exists and defines an agent, local dataset files
+    exist, and the WAR settings (``war``, from :func:`parse_argv`) completed from OpenRLHF's
+    parsed arguments (``args``) are valid, the dispatcher's options for its engine count too.
+    Returns the frozen settings; raises ``ValueError`` naming the argument or key."""
+    from ..integrations.openrlhf import war_settings
     from ..model_source import ModelNotFound, resolve_model
     from ..rollout import load_agent_class
 
@@ -245,12 +255,13 @@ def check_before_start(config: RolloutConfig, args: Any) -> RolloutConfig:
             item = item.strip()
             if item and item.lower().endswith(_DATA_SUFFIXES) and not Path(item).exists():
                 raise ValueError(f"{flag}: {item} does not exist")
-    merged = merge_openrlhf_args(config, args)
+    settings = war_settings(war, args)
     try:
-        make_policy(merged.dispatch_policy, merged.num_engines, **merged.dispatch_kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"war.dispatch_kwargs ({merged.dispatch_policy}): {exc}") from None
-    return merged
+        settings.dispatch_options.check_engines(settings.num_engines)
+    except ValueError as exc:
+        raise ValueError(f"war.dispatch_kwargs ({settings.dispatch_policy}): {exc} "
+                         f"(--vllm.num_engines {settings.num_engines})") from None
+    return settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -277,24 +288,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         address, argv = _ray_address(argv)
-        war, openrlhf_args = parse_argv(argv)
-        config = rollout_config(war)
+        war, openrlhf_argv = parse_argv(argv)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"war-train: {exc}") from None
     _apply_cpu_support_for_import()
-    from ..integrations.openrlhf import parse_openrlhf_args
+    from ..integrations.openrlhf import parse_openrlhf_args, run_train_ppo_ray
 
-    try:  # OpenRLHF's own parser and checks, then WAR's, all before Ray starts
-        check_before_start(config, parse_openrlhf_args(openrlhf_args))
+    try:  # OpenRLHF's own parser and checks (once), then the settings built and checked, before Ray starts
+        args = parse_openrlhf_args(openrlhf_argv)
+        settings = check_before_start(war, args)
     except ValueError as exc:
         raise SystemExit(f"war-train: {exc}") from None
     device = _ray_init(address)
     print(f"war-train: Ray {'cluster at ' + address if address else 'started here'}, device {device} "
           "(decided once for every actor)", flush=True)
-
-    from ..integrations.openrlhf import run_train_ppo_ray
-
-    run_train_ppo_ray(config, openrlhf_args)
+    run_train_ppo_ray(settings, args)
 
 
 def _apply_cpu_support_for_import() -> None:

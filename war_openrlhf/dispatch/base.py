@@ -12,12 +12,12 @@ Pure Python/numpy: no vLLM, no Ray. Engine ids are ``0 .. num_engines - 1``.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["EngineState", "TurnRequest", "DispatchPolicy", "NoHealthyEngineError", "DEFER"]
+__all__ = ["EngineState", "TurnRequest", "DispatchPolicy", "PolicyOptions", "NoHealthyEngineError", "DEFER"]
 
 #: ``choose()`` may return DEFER for the *first* turn of a trajectory: "do not start it yet".
 #: The caller keeps the turn (FIFO) and asks again after a turn finishes anywhere. Only
@@ -101,10 +101,35 @@ class TurnRequest:
     arrival_s: Optional[float] = None
 
 
+@dataclass(frozen=True)
+class PolicyOptions:
+    """A dispatch policy's options, typed: each policy declares a subclass next to it (its
+    ``Options``), whose fields are its constructor's keyword arguments with the same defaults
+    and whose ``__post_init__`` checks their values. ``RolloutConfig.dispatch_kwargs``, the
+    command line (``--war.dispatch_kwargs.KEY``) and ``war-train --help`` read these fields;
+    a field's ``metadata["help"]`` is its one-line meaning. This base class has none."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str, policy: str = "") -> "PolicyOptions":
+        """From a mapping (YAML, command line): an unknown option, a wrong type or a bad value
+        names the option, the ``policy`` and ``source``."""
+        from ..config_checks import typed_from_dict
+
+        return typed_from_dict(cls, data, source, owner=f"dispatch policy '{policy}'" if policy else "")
+
+    def check_engines(self, num_engines: int) -> None:
+        """Checks that need the engine count (a per-engine list's length); none here."""
+
+    def as_kwargs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 class DispatchPolicy(abc.ABC):
     """Choose an engine for each turn of each trajectory."""
 
     name: str = "abstract"
+    #: the policy's typed options (a :class:`PolicyOptions` subclass declared next to it)
+    Options: type = PolicyOptions
 
     def __init__(self, num_engines: int) -> None:
         if not isinstance(num_engines, (int, np.integer)) or isinstance(num_engines, bool):

@@ -29,11 +29,12 @@ not see), and unhealthy engines are skipped.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
 import numpy as np
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, chain_hashes, coarse_chain, whole_blocks
 
 __all__ = ["DynamoKvPolicy"]
@@ -41,16 +42,31 @@ __all__ = ["DynamoKvPolicy"]
 _UNSET_CAPACITY = 1 << 62
 
 
+@dataclass(frozen=True)
+class DynamoKvOptions(PolicyOptions):
+    """Options of ``dynamo_kv`` (Dynamo's KV router names and defaults)."""
+
+    overlap_score_weight: float = field(default=1.0, metadata={
+        "help": "weight of the prefill blocks in the logit (+ active decode blocks; lowest wins)"})
+    router_temperature: float = field(default=0.0, metadata={
+        "help": "0: the lowest logit wins; above 0: an engine sampled by softmax over the logits"})
+    seed: int = field(default=0, metadata={"help": "seed of the random tie-break (temperature 0) and of the sampling"})
+
+    def __post_init__(self) -> None:
+        if not self.overlap_score_weight >= 0:
+            raise ValueError(f"overlap_score_weight must be >= 0, got {self.overlap_score_weight}")
+        if not self.router_temperature >= 0:
+            raise ValueError(f"router_temperature must be >= 0, got {self.router_temperature}")
+
+
 class DynamoKvPolicy(DispatchPolicy):
     name = "dynamo_kv"
+    Options = DynamoKvOptions
 
     def __init__(self, num_engines: int, *, overlap_score_weight: float = 1.0, router_temperature: float = 0.0,
                  seed: int = 0) -> None:
         super().__init__(num_engines)
-        if not overlap_score_weight >= 0:
-            raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
-        if not router_temperature >= 0:
-            raise ValueError(f"router_temperature must be >= 0, got {router_temperature}")
+        DynamoKvOptions(overlap_score_weight, router_temperature, seed)  # the checks
         self.overlap_score_weight = float(overlap_score_weight)
         self.router_temperature = float(router_temperature)
         self._rng = np.random.default_rng(seed)

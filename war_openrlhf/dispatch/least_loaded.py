@@ -23,9 +23,22 @@ re-placed by the same rule (OpenRLHF has no health notion).
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
+
+
+@dataclass(frozen=True)
+class LeastLoadedOptions(PolicyOptions):
+    """Options of ``least_loaded``."""
+
+    n_samples_per_prompt: int = field(default=1, metadata={
+        "help": "samples per prompt: a group of this many consecutive trajectories goes to one engine"})
+
+    def __post_init__(self) -> None:
+        if self.n_samples_per_prompt <= 0:
+            raise ValueError(f"n_samples_per_prompt must be positive, got {self.n_samples_per_prompt}")
 
 
 def openrlhf_group_placement(group_sizes: Sequence[int], num_engines: int,
@@ -48,11 +61,12 @@ def openrlhf_group_placement(group_sizes: Sequence[int], num_engines: int,
 class LeastLoadedPolicy(DispatchPolicy):
     name = "least_loaded"
 
+    Options = LeastLoadedOptions
+
     def __init__(self, num_engines: int, n_samples_per_prompt: int = 1) -> None:
         super().__init__(num_engines)
-        if n_samples_per_prompt <= 0:
-            raise ValueError(f"n_samples_per_prompt must be positive, got {n_samples_per_prompt}")
-        self.n_samples_per_prompt = int(n_samples_per_prompt)
+        options = LeastLoadedOptions(n_samples_per_prompt=n_samples_per_prompt)
+        self.n_samples_per_prompt = int(options.n_samples_per_prompt)
         self._heap: Optional[List[Tuple[int, int]]] = None  # (load, engine_id), batch snapshot
         self._group_engine: Dict[str, int] = {}
         self._group_members: Dict[str, Set[str]] = {}

@@ -5,13 +5,20 @@ No affinity, no load, no cache awareness: the floor every other policy must beat
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
+
+
+@dataclass(frozen=True)
+class RoundRobinOptions(PolicyOptions):
+    """``round_robin`` has no options."""
 
 
 class RoundRobinPolicy(DispatchPolicy):
     name = "round_robin"
+    Options = RoundRobinOptions
 
     def __init__(self, num_engines: int) -> None:
         super().__init__(num_engines)

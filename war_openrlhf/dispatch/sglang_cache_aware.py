@@ -127,11 +127,12 @@ loss is the placement of first turns under the abs threshold, not the cache rule
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -306,22 +307,41 @@ class ApproxRadixTree:
         return self.tenant_size.get(tenant, 0)
 
 
+@dataclass(frozen=True)
+class SGLangCacheAwareOptions(PolicyOptions):
+    """Options of ``sglang_cache_aware`` (the router's own names and defaults)."""
+
+    cache_threshold: float = field(default=0.3, metadata={
+        "help": "least prefix-match rate that routes to the matching engine, in [0, 1]"})
+    balance_abs_threshold: int = field(default=64, metadata={
+        "help": "load gap (requests) above which the router balances instead of matching"})
+    balance_rel_threshold: float = field(default=1.5, metadata={
+        "help": "load ratio above which the router balances instead of matching"})
+    max_tree_size: int = field(default=2 ** 26, metadata={"help": "tree symbols kept per engine"})
+    page_size: int = field(default=1, metadata={"help": "tokens per tree symbol (1: token ids)"})
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 0:
+            raise ValueError("balance thresholds must be >= 0, got "
+                             f"abs={self.balance_abs_threshold} rel={self.balance_rel_threshold}")
+        if self.max_tree_size <= 0:
+            raise ValueError(f"max_tree_size must be positive, got {self.max_tree_size}")
+        if not isinstance(self.page_size, (int, np.integer)) or self.page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {self.page_size!r}")
+
+
 class SGLangCacheAwarePolicy(DispatchPolicy):
     name = "sglang_cache_aware"
+    Options = SGLangCacheAwareOptions
 
     def __init__(self, num_engines: int, cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                  max_tree_size: int = 2 ** 26, page_size: int = 1) -> None:
         super().__init__(num_engines)
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        if balance_abs_threshold < 0 or balance_rel_threshold < 0:
-            raise ValueError("balance thresholds must be >= 0, got "
-                             f"abs={balance_abs_threshold} rel={balance_rel_threshold}")
-        if max_tree_size <= 0:
-            raise ValueError(f"max_tree_size must be positive, got {max_tree_size}")
-        if not isinstance(page_size, (int, np.integer)) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        SGLangCacheAwareOptions(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size,
+                                page_size)  # the checks
         self.cache_threshold = float(cache_threshold)
         self.balance_abs_threshold = int(balance_abs_threshold)
         self.balance_rel_threshold = float(balance_rel_threshold)

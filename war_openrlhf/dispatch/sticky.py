@@ -41,21 +41,34 @@ its ties go to the other servers first; here ties always go to the lower engine 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Sequence
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 
 DEFAULT_LRU_CAPACITY = 10000  # verl DEFAULT_ROUTING_CACHE_SIZE (LS:43)
+
+
+@dataclass(frozen=True)
+class StickyOptions(PolicyOptions):
+    """Options of ``sticky``."""
+
+    lru_capacity: int = field(default=DEFAULT_LRU_CAPACITY, metadata={
+        "help": "trajectories the trajectory -> engine map remembers (least recently used forgotten)"})
+
+    def __post_init__(self) -> None:
+        if self.lru_capacity <= 0:
+            raise ValueError(f"lru_capacity must be positive, got {self.lru_capacity}")
 
 
 class StickyPolicy(DispatchPolicy):
     name = "sticky"
 
+    Options = StickyOptions
+
     def __init__(self, num_engines: int, lru_capacity: int = DEFAULT_LRU_CAPACITY) -> None:
         super().__init__(num_engines)
-        if lru_capacity <= 0:
-            raise ValueError(f"lru_capacity must be positive, got {lru_capacity}")
-        self.lru_capacity = int(lru_capacity)
+        self.lru_capacity = int(StickyOptions(lru_capacity=lru_capacity).lru_capacity)
         self._lru: "OrderedDict[str, int]" = OrderedDict()
 
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:

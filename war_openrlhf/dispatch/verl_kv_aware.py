@@ -97,11 +97,12 @@ Deviations, forced by the dispatch interface:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import DispatchPolicy, EngineState, TurnRequest
+from .base import DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, chain_hashes, whole_blocks
 
 __all__ = ["VerlKvAwarePolicy", "SLOW_CUTS", "OVERLOAD_MODES"]
@@ -124,8 +125,66 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
+def _check_options(alpha, load_threshold, layer_weights, load_weights, max_num_seqs, slow_cut, overload_mode,
+                   do_shortcut, lru_capacity) -> tuple[dict, tuple]:
+    """The source's own checks (strategies/kvc_aware.py:59-89), as ValueError naming the argument;
+    returns the layer weights (defaults filled in) and the load weights as a tuple."""
+    if not _is_number(alpha) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if not _is_number(load_threshold) or not 0.0 < load_threshold < 1.0:
+        raise ValueError(f"load_threshold must be in (0, 1), got {load_threshold!r}")
+    lw = dict(DEFAULT_LAYER_WEIGHTS if layer_weights is None else layer_weights)
+    if set(lw) != set(LAYERS):
+        raise ValueError(f"layer_weights keys must be {set(LAYERS)}, got {set(lw)}")
+    if any(not _is_number(v) or not v >= 0 for v in lw.values()):
+        raise ValueError(f"layer_weights values must be numbers >= 0, got {lw}")
+    if abs(sum(lw.values()) - 1.0) > 1e-6:
+        raise ValueError(f"layer_weights values must sum to 1.0, got {sum(lw.values())}")
+    ldw = tuple(load_weights)
+    if len(ldw) != 4 or any(not _is_number(w) or not w >= 0 for w in ldw):
+        raise ValueError(f"load_weights must be 4 non-negative numbers, got {load_weights!r}")
+    if abs(sum(ldw) - 1.0) > 1e-6:
+        raise ValueError(f"load_weights must sum to 1.0, got {sum(ldw)}")
+    if not isinstance(max_num_seqs, (int, np.integer)) or isinstance(max_num_seqs, bool) \
+            or max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
+    if slow_cut not in SLOW_CUTS:
+        raise ValueError(f"slow_cut must be one of {list(SLOW_CUTS)}, got {slow_cut!r}")
+    if overload_mode not in OVERLOAD_MODES:
+        raise ValueError(f"overload_mode must be one of {list(OVERLOAD_MODES)}, got {overload_mode!r}")
+    if not isinstance(do_shortcut, bool):
+        raise ValueError(f"do_shortcut must be a bool, got {do_shortcut!r}")
+    if not isinstance(lru_capacity, (int, np.integer)) or isinstance(lru_capacity, bool) \
+            or lru_capacity <= 0:
+        raise ValueError(f"lru_capacity must be a positive int, got {lru_capacity!r}")
+    return lw, ldw
+
+
+@dataclass(frozen=True)
+class VerlKvAwareOptions(PolicyOptions):
+    """Options of ``verl_kv_aware`` (the pull request's names and defaults)."""
+
+    alpha: float = field(default=DEFAULT_ALPHA, metadata={
+        "help": "weight of the cache score against the load score, in [0, 1]"})
+    load_threshold: float = field(default=DEFAULT_LOAD_THRESHOLD, metadata={
+        "help": "load above which the bound engine counts as overloaded, in (0, 1)"})
+    layer_weights: Optional[Mapping[str, float]] = field(default=None, metadata={
+        "help": "cache-layer weights {gpu, cpu, ssd} summing to 1 (null: 0.7, 0.2, 0.1)"})
+    load_weights: Sequence[float] = field(default=DEFAULT_LOAD_WEIGHTS, metadata={
+        "help": "the load formula's 4 weights, summing to 1"})
+    max_num_seqs: int = field(default=DEFAULT_MAX_NUM_SEQS, metadata={"help": "M of the load formula (verl reads it from the rollout config)"})
+    slow_cut: str = field(default="prefix-load-aware", metadata={"help": " | ".join(SLOW_CUTS)})
+    overload_mode: str = field(default="kv_load", metadata={"help": " | ".join(OVERLOAD_MODES)})
+    do_shortcut: bool = field(default=True, metadata={"help": "the sticky shortcut: a bound trajectory stays unless its engine is overloaded"})
+    lru_capacity: int = field(default=DEFAULT_LRU_CAPACITY, metadata={"help": "trajectories the binding map remembers"})
+
+    def __post_init__(self) -> None:
+        _check_options(**self.as_kwargs())
+
+
 class VerlKvAwarePolicy(DispatchPolicy):
     name = "verl_kv_aware"
+    Options = VerlKvAwareOptions
 
     def __init__(self, num_engines: int, *, alpha: float = DEFAULT_ALPHA,
                  load_threshold: float = DEFAULT_LOAD_THRESHOLD,
@@ -135,35 +194,8 @@ class VerlKvAwarePolicy(DispatchPolicy):
                  slow_cut: str = "prefix-load-aware", overload_mode: str = "kv_load",
                  do_shortcut: bool = True, lru_capacity: int = DEFAULT_LRU_CAPACITY) -> None:
         super().__init__(num_engines)
-        # the source's own checks (strategies/kvc_aware.py:59-89), as ValueError naming the argument
-        if not _is_number(alpha) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-        if not _is_number(load_threshold) or not 0.0 < load_threshold < 1.0:
-            raise ValueError(f"load_threshold must be in (0, 1), got {load_threshold!r}")
-        lw = dict(DEFAULT_LAYER_WEIGHTS if layer_weights is None else layer_weights)
-        if set(lw) != set(LAYERS):
-            raise ValueError(f"layer_weights keys must be {set(LAYERS)}, got {set(lw)}")
-        if any(not _is_number(v) or not v >= 0 for v in lw.values()):
-            raise ValueError(f"layer_weights values must be numbers >= 0, got {lw}")
-        if abs(sum(lw.values()) - 1.0) > 1e-6:
-            raise ValueError(f"layer_weights values must sum to 1.0, got {sum(lw.values())}")
-        ldw = tuple(load_weights)
-        if len(ldw) != 4 or any(not _is_number(w) or not w >= 0 for w in ldw):
-            raise ValueError(f"load_weights must be 4 non-negative numbers, got {load_weights!r}")
-        if abs(sum(ldw) - 1.0) > 1e-6:
-            raise ValueError(f"load_weights must sum to 1.0, got {sum(ldw)}")
-        if not isinstance(max_num_seqs, (int, np.integer)) or isinstance(max_num_seqs, bool) \
-                or max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be a positive int, got {max_num_seqs!r}")
-        if slow_cut not in SLOW_CUTS:
-            raise ValueError(f"slow_cut must be one of {list(SLOW_CUTS)}, got {slow_cut!r}")
-        if overload_mode not in OVERLOAD_MODES:
-            raise ValueError(f"overload_mode must be one of {list(OVERLOAD_MODES)}, got {overload_mode!r}")
-        if not isinstance(do_shortcut, bool):
-            raise ValueError(f"do_shortcut must be a bool, got {do_shortcut!r}")
-        if not isinstance(lru_capacity, (int, np.integer)) or isinstance(lru_capacity, bool) \
-                or lru_capacity <= 0:
-            raise ValueError(f"lru_capacity must be a positive int, got {lru_capacity!r}")
+        lw, ldw = _check_options(alpha, load_threshold, layer_weights, load_weights, max_num_seqs, slow_cut,
+                                 overload_mode, do_shortcut, lru_capacity)
         self.alpha = float(alpha)
         self.load_threshold = float(load_threshold)
         self.layer_weights = {k: float(v) for k, v in lw.items()}

@@ -76,11 +76,12 @@ engine snapshots and follows it when it changes) and ``admission`` (``False``: n
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .base import DEFER, DispatchPolicy, EngineState, TurnRequest
+from .base import DEFER, DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
 from .turn_costs import PRIOR_RATES, TurnCosts
 
@@ -105,15 +106,42 @@ class _Live:
         self.tokens = n           # context + responses so far
 
 
+@dataclass(frozen=True)
+class WarOptions(PolicyOptions):
+    """Options of ``war``."""
+
+    kv_capacity_tokens: Union[None, int, Sequence[int]] = field(default=None, metadata={
+        "help": "KV tokens per engine, one number or one per engine (None: read from the engines' reports)"})
+    admission: bool = field(default=True, metadata={
+        "help": "hold new trajectories back while the engines' KV is short (true/false)"})
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.admission, bool):
+            raise ValueError(f"admission must be true or false, got {self.admission!r}")
+        caps = self.kv_capacity_tokens
+        if caps is None:
+            return
+        for i, c in enumerate([caps] if np.isscalar(caps) else list(caps)):
+            if c < 0:
+                which = "" if np.isscalar(caps) else f" of engine {i}"
+                raise ValueError(f"kv_capacity_tokens{which} must be >= 0, got {c}")
+
+    def check_engines(self, num_engines: int) -> None:
+        caps = self.kv_capacity_tokens
+        if caps is not None and not np.isscalar(caps) and len(list(caps)) != num_engines:
+            raise ValueError(f"kv_capacity_tokens has {len(list(caps))} entries for {num_engines} engines")
+
+
 class WarDispatchPolicy(DispatchPolicy):
     name = "war"
+    Options = WarOptions
 
     def __init__(self, num_engines: int, *,
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
                  admission: bool = True) -> None:
         super().__init__(num_engines)
-        if not isinstance(admission, bool):
-            raise ValueError(f"admission must be true or false, got {admission!r}")
+        options = WarOptions(kv_capacity_tokens=kv_capacity_tokens, admission=admission)
+        options.check_engines(num_engines)
         self.admission = admission
         if kv_capacity_tokens is None:
             caps = [_UNSET_CAPACITY] * num_engines
@@ -121,12 +149,6 @@ class WarDispatchPolicy(DispatchPolicy):
         else:
             caps = ([kv_capacity_tokens] * num_engines if np.isscalar(kv_capacity_tokens)
                     else list(kv_capacity_tokens))
-            if len(caps) != num_engines:
-                raise ValueError(f"kv_capacity_tokens has {len(caps)} entries for "
-                                 f"{num_engines} engines")
-            for i, c in enumerate(caps):
-                if c < 0:
-                    raise ValueError(f"kv_capacity_tokens of engine {i} must be >= 0, got {c}")
             caps = [int(c) for c in caps]
             self._caps_from_snapshot = False
         E = num_engines
@@ -335,16 +357,7 @@ class WarDispatchPolicy(DispatchPolicy):
     # ---- DispatchPolicy --------------------------------------------------------------------
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
         healthy = self._healthy(engines)
-        for e in healthy:
-            self.block_sizes[e.engine_id] = e.kv_block_size
-        if self._caps_from_snapshot:
-            seen = self._cap_tokens_seen
-            for e in healthy:
-                if seen.get(e.engine_id) != e.kv_capacity_tokens:
-                    seen[e.engine_id] = e.kv_capacity_tokens
-                    self.capacity_tokens[e.engine_id] = e.kv_capacity_tokens
-                    self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
-
+        self._note_engines(healthy)
         tid = request.trajectory_id
         traj = self.trajectories.get(tid)
         is_new = traj is None
@@ -364,6 +377,39 @@ class WarDispatchPolicy(DispatchPolicy):
             blocks = matched.get(eid)
             return whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid]) if blocks else 0
 
+        k = rec.turns if rec is not None else 0
+        p, scores = self._scores(healthy, n, k, cached_on)
+        if self.admission and sum(self.live) > 0:
+            over_all = self._charge_evictions(scores, healthy, cur, k, n if rec is None else rec.tokens, p,
+                                              cached_on)
+            if over_all and is_new and self.deferral_pays():
+                self.deferrals += 1
+                return DEFER
+        self.last_scores = scores
+        chosen = self._pick(scores, healthy, cur)
+        if is_new:
+            self._start_trajectory(tid, traj, chosen, n, cached_on(chosen), request.arrival_s)
+        elif rec is not None:
+            self._continue_trajectory(rec, chosen, n, max_cached, request.arrival_s)
+        traj.engine = chosen
+        return chosen
+
+    def _note_engines(self, healthy: Sequence[EngineState]) -> None:
+        """Block sizes, and KV capacities when they come from the engines' reports."""
+        for e in healthy:
+            self.block_sizes[e.engine_id] = e.kv_block_size
+        if self._caps_from_snapshot:
+            seen = self._cap_tokens_seen
+            for e in healthy:
+                if seen.get(e.engine_id) != e.kv_capacity_tokens:
+                    seen[e.engine_id] = e.kv_capacity_tokens
+                    self.capacity_tokens[e.engine_id] = e.kv_capacity_tokens
+                    self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
+
+    def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached_on) -> tuple:
+        """``(p, scores)``: the prefill rate used, and each engine's cost in seconds of taking
+        this turn (``n`` context tokens, ``k`` turns done): its own wait, prefill and expected
+        decode, and what it adds to the requests already there."""
         p, s0, s1 = self._rates(healthy)
         if p <= 0.0 or s1 <= 0.0:  # a degenerate fit: the prior's ratios to the step time
             p = p if p > 0.0 else s0 * _PRIOR_PREFILL
@@ -371,7 +417,6 @@ class WarDispatchPolicy(DispatchPolicy):
         s1 = s1 if s1 > p else p  # a decoded token is at least one token's forward pass
         r = self.costs.mean_response
         lat = self.costs.mean_latency
-        k = rec.turns if rec is not None else 0
         w = 1.0 + self._progress(k)
         rs1 = r * s1 * self.remaining_turns(k)
         scores: Dict[int, float] = {}
@@ -386,70 +431,77 @@ class WarDispatchPolicy(DispatchPolicy):
                 kv_wait = lat * short / e.kv_used_tokens
                 wait = kv_wait if kv_wait > wait else wait
             scores[eid] = w * (wait + p * u + rs1 * (b + 1)) + run * p * u + b * rs1
-        if self.admission and sum(self.live) > 0:
-            # Eviction harm: tokens pushed past an engine's budget are evicted from parked
-            # trajectories and recomputed every round this trajectory lives there. Checked
-            # in order of the other costs, only while it could change the choice.
-            size = n if rec is None else rec.tokens
-            rem = self.remaining_turns(k)
-            run_of = {e.engine_id: e.running for e in healthy}
-            clean_best = math.inf
-            over_all = True
-            for eid in sorted(scores, key=scores.get):
-                if scores[eid] >= clean_best:
-                    break
-                if eid == cur:
-                    over = 0.0
-                else:
-                    over = self.overflow(eid, k, size - cached_on(eid))
-                if over > 0:
-                    scores[eid] += p * over * rem * (run_of[eid] + 1)
-                else:
-                    over_all = False
-                    clean_best = min(clean_best, scores[eid])
-            if over_all and is_new and self.deferral_pays():
-                self.deferrals += 1
-                return DEFER
-        self.last_scores = scores
+        return p, scores
+
+    def _charge_evictions(self, scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int],
+                          k: int, size: int, p: float, cached_on) -> bool:
+        """Add the eviction harm to ``scores`` in place; True when every engine it was checked
+        on would overflow (then deferring a new trajectory may pay).
+
+        Tokens pushed past an engine's budget are evicted from parked trajectories and
+        recomputed every round this trajectory lives there. Checked in order of the other
+        costs, only while it could change the choice."""
+        rem = self.remaining_turns(k)
+        run_of = {e.engine_id: e.running for e in healthy}
+        clean_best = math.inf
+        over_all = True
+        for eid in sorted(scores, key=scores.get):
+            if scores[eid] >= clean_best:
+                break
+            if eid == cur:
+                over = 0.0
+            else:
+                over = self.overflow(eid, k, size - cached_on(eid))
+            if over > 0:
+                scores[eid] += p * over * rem * (run_of[eid] + 1)
+            else:
+                over_all = False
+                clean_best = min(clean_best, scores[eid])
+        return over_all
+
+    @staticmethod
+    def _pick(scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int]) -> int:
+        """The cheapest engine; the trajectory's own on a tie, else the one with fewer
+        requests, then the lower id."""
         best = min(scores.values())
         if cur is not None and scores.get(cur) == best:
-            chosen = cur
-        else:  # ties: the engine with fewer requests, then the lower id
-            load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in healthy}
-            chosen = min((eid for eid, sc in scores.items() if sc == best),
-                         key=lambda eid: (load[eid], eid))
+            return cur
+        load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in healthy}
+        return min((eid for eid, sc in scores.items() if sc == best), key=lambda eid: (load[eid], eid))
 
-        if is_new:
-            self.trajectories[tid] = traj
-            cached = cached_on(chosen)
-            self._started_batch += 1
-            self._x0_sum += n - cached
-            self._shared0_sum += cached
-            self._x0_count += 1
-            rec = self._live[tid] = _Live(chosen, n, request.arrival_s)
+    def _start_trajectory(self, tid: str, traj: TrajectoryChain, chosen: int, n: int, cached: int,
+                          arrival_s: Optional[float]) -> None:
+        """A new trajectory's first turn placed on ``chosen``."""
+        self.trajectories[tid] = traj
+        self._started_batch += 1
+        self._x0_sum += n - cached
+        self._shared0_sum += cached
+        self._x0_count += 1
+        self._live[tid] = _Live(chosen, n, arrival_s)
+        self.live[chosen] += 1
+        self._curves[chosen] = None
+        self.index.touch(chosen, traj.hashes)
+        traj.hint[chosen] = len(traj.hashes)
+
+    def _continue_trajectory(self, rec: _Live, chosen: int, n: int, max_cached: int,
+                             arrival_s: Optional[float]) -> None:
+        """A live trajectory's next turn placed on ``chosen`` (a move when it is another engine)."""
+        if arrival_s is not None and rec.finish is not None:
+            self._gap_sum += max(arrival_s - rec.finish, 0.0)
+            self._gap_count += 1
+        rec.arrival = arrival_s
+        self._growth_sum += n - rec.last_n
+        self._growth_count += 1
+        rec.last_n = n
+        if chosen != rec.engine:
+            self.moves += 1
+            self.live[rec.engine] -= 1
             self.live[chosen] += 1
-            self._curves[chosen] = None
-            self.index.touch(chosen, traj.hashes)
-            traj.hint[chosen] = len(traj.hashes)
-        elif rec is not None:
-            if request.arrival_s is not None and rec.finish is not None:
-                self._gap_sum += max(request.arrival_s - rec.finish, 0.0)
-                self._gap_count += 1
-            rec.arrival = request.arrival_s
-            self._growth_sum += n - rec.last_n
-            self._growth_count += 1
-            rec.last_n = n
-            if chosen != rec.engine:
-                self.moves += 1
-                self.live[rec.engine] -= 1
-                self.live[chosen] += 1
-                self._curves[rec.engine] = self._curves[chosen] = None
-                rec.engine = chosen
-                rec.expect_hit = 0
-            else:
-                rec.expect_hit = whole_blocks(min(rec.tokens, max_cached), bsz[chosen])
-        traj.engine = chosen
-        return chosen
+            self._curves[rec.engine] = self._curves[chosen] = None
+            rec.engine = chosen
+            rec.expect_hit = 0
+        else:
+            rec.expect_hit = whole_blocks(min(rec.tokens, max_cached), self.block_sizes[chosen])
 
     def _progress(self, k: int) -> float:
         """Turns done / mean turns of finished trajectories, capped at 1 (0 before any)."""

@@ -16,9 +16,11 @@ OpenRLHF name                                         replaced by
                                                       rollout actor's samples generator = the pool
 ====================================================  =========================================
 
-The WAR settings travel as an object: :func:`war_trainer_class` closes over the validated
-:class:`~war_openrlhf.rollout.RolloutConfig`, and Ray ships the class (by value) to the trainer
-actor with it. There, :func:`merge_openrlhf_args` completes it from OpenRLHF's parsed arguments.
+The settings travel as one object: ``war-train`` parses OpenRLHF's arguments once
+(:func:`parse_openrlhf_args`), builds the run's frozen settings once from them and the WAR
+keys (:func:`war_settings`), checks them, and hands both to :func:`run_train_ppo_ray`.
+:func:`war_trainer_class` closes over the settings and Ray ships the class (by value) to the
+trainer actor with them; nothing there merges or changes them.
 
 **One precedence rule.** A setting that OpenRLHF's arguments already define (the table
 :data:`OPENRLHF_OWNED`: model, max length, seed, engine count, agent file, samples per prompt,
@@ -33,7 +35,7 @@ from __future__ import annotations
 import runpy
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import fields
 from importlib import metadata
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,9 +43,9 @@ from ..engine.config import EngineConfig
 from ..rollout import RolloutConfig
 from ..training.weight_sync_hook import after_weight_sync
 
-__all__ = ["SUPPORTED_OPENRLHF", "SUPPORTED_VLLM", "OPENRLHF_OWNED", "check_openrlhf_version", "check_vllm_version", "refuse_openrlhf_owned",
-           "merge_openrlhf_args", "parse_openrlhf_args", "war_engine_factory", "war_trainer_class", "install", "applied_patches",
-           "run_train_ppo_ray"]
+__all__ = ["SUPPORTED_OPENRLHF", "SUPPORTED_VLLM", "OPENRLHF_OWNED", "check_openrlhf_version", "check_vllm_version",
+           "refuse_openrlhf_owned", "war_settings", "merge_openrlhf_args", "engine_settings", "parse_openrlhf_args",
+           "war_engine_factory", "war_trainer_class", "install", "applied_patches", "run_train_ppo_ray"]
 
 #: OpenRLHF releases these seams are written against (the patched names are checked by name too).
 SUPPORTED_OPENRLHF = ("0.11.2",)
@@ -138,8 +140,14 @@ def refuse_openrlhf_owned(settings: Mapping[str, Any], source: str) -> None:
                              "set it there (remove it from the WAR settings)")
 
 
-def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
-    """``config`` completed from OpenRLHF's parsed arguments (``train_ppo_ray``'s namespace)."""
+def war_settings(war: Mapping[str, Any], args: Any) -> RolloutConfig:
+    """The one settings object of a ``war-train`` run, built once and frozen: the WAR settings
+    (``war``: a mapping of WAR keys, as ``war-train``'s files and ``--war.*`` options give them)
+    completed from OpenRLHF's parsed arguments (``train_ppo_ray``'s checked namespace). An
+    unset ``max_new_tokens_per_turn`` is ``None`` here: only the context bounds a turn, as in
+    OpenRLHF's own agent executor. Raises ``ValueError`` naming the key or the argument."""
+    war = dict(war)
+    war.setdefault("max_new_tokens_per_turn", None)
     top = {k: _dig(args, v) for k, v in OPENRLHF_OWNED.items() if not k.startswith("engine.")}
     top["num_engines"] = int(top["num_engines"])
     top["agent_func_path"] = top["agent_func_path"] or ""
@@ -148,74 +156,44 @@ def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
     top["temperature"], top["top_p"] = float(top["temperature"]), float(top["top_p"])
     cap = getattr(getattr(args, "rollout", None), "max_new_tokens", None)
     if cap is not None:  # OpenRLHF's per-generation cap: here, per model turn
-        if config.max_new_tokens_per_turn not in (None, int(cap)):
+        if war["max_new_tokens_per_turn"] not in (None, int(cap)):
             raise ValueError(f"--rollout.max_new_tokens {cap} and the WAR setting max_new_tokens_per_turn "
-                             f"{config.max_new_tokens_per_turn} disagree; set one")
+                             f"{war['max_new_tokens_per_turn']} disagree; set one")
         top["max_new_tokens_per_turn"] = int(cap)
-    if config.engine_recovery == "restart":
+    if war.get("engine_recovery") == "restart":
         raise ValueError("engine_recovery: 'restart' is for pools that start their own engines; in war-train "
                          "the engines belong to OpenRLHF's weight-sync group, which a new actor cannot join "
                          "(it would roll out the model file's weights). Use 'reinstate' (a hung engine that "
                          "answers again comes back) or 'off'")
     correction = _opt(args, "algo.advantage.is_correction_level", "off")
-    engine = engine_settings(config, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
-                             seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),
-                             max_model_len=_dig(args, OPENRLHF_OWNED["engine.max_model_len"]),
-                             enforce_eager=bool(args.vllm.enforce_eager),
-                             tensor_parallel_size=_opt(args, "vllm.tensor_parallel_size", 1),
-                             full_determinism=_opt(args, "train.full_determinism_enable", False),
-                             gpu_memory_utilization=_opt(args, "vllm.gpu_memory_utilization", None),
-                             vllm_enable_sleep=_opt(args, "vllm.enable_sleep", False),
-                             logprobs_mode="processed_logprobs" if correction not in (None, "off") else None)
-    merged = RolloutConfig.from_dict({**config.as_dict(), **top, "engine": engine.as_dict()},
-                                     source="WAR settings + OpenRLHF arguments")
-    return merged
+    engine = _engine_dict(war.get("engine") or {}, pretrain=_dig(args, OPENRLHF_OWNED["engine.model"]),
+                          seed=_dig(args, OPENRLHF_OWNED["engine.seed"]),
+                          max_model_len=_dig(args, OPENRLHF_OWNED["engine.max_model_len"]),
+                          enforce_eager=bool(args.vllm.enforce_eager),
+                          tensor_parallel_size=_opt(args, "vllm.tensor_parallel_size", 1),
+                          full_determinism=_opt(args, "train.full_determinism_enable", False),
+                          gpu_memory_utilization=_opt(args, "vllm.gpu_memory_utilization", None),
+                          vllm_enable_sleep=_opt(args, "vllm.enable_sleep", False),
+                          logprobs_mode="processed_logprobs" if correction not in (None, "off") else None,
+                          remote_rm_url=_opt(args, "reward.remote_url", None),
+                          max_images_per_prompt=_opt(args, "data.max_images_per_prompt", 0) or 0)
+    return RolloutConfig.from_dict({**war, **top, "engine": engine}, source="WAR settings + OpenRLHF arguments")
 
 
-def _engine_from_openrlhf(config: RolloutConfig, *, pretrain: str, seed: int, max_model_len: int,
-                          enforce_eager: bool):
-    """The engine part of :func:`merge_openrlhf_args`; also what the engine factory gets from
-    ``create_vllm_engines``' own parameters (the same values: ``train_ppo_ray`` passes them)."""
-    return replace(config.engine, model=str(pretrain), seed=int(seed), max_model_len=int(max_model_len),
-                   enable_prefix_caching=True,  # WAR's dispatch counts on it
-                   enforce_eager=bool(enforce_eager) or config.engine.enforce_eager)
+def merge_openrlhf_args(config: RolloutConfig, args: Any) -> RolloutConfig:
+    """``config`` completed from OpenRLHF's parsed arguments (:func:`war_settings` of its keys)."""
+    return war_settings(config.as_dict(), args)
 
 
-# ------------------------------------------------------------------ engines
-def war_engine_factory(config: RolloutConfig) -> Callable[..., list]:
-    """A replacement for OpenRLHF's ``create_vllm_engines``: WAR engine actors with OpenRLHF's
-    weight-sync worker extension, placed as OpenRLHF places its own (see :func:`engine_settings`)."""
-
-    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism,
-                            enable_prefix_caching, enforce_eager, max_model_len, shared_pg=None,
-                            gpu_memory_utilization=None, vllm_enable_sleep=False, logprobs_mode=None,
-                            agent_func_path=None, remote_rm_url=None, max_images_per_prompt=0):
-        from ..engine.actors import create_war_engines
-        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-
-        engine = engine_settings(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
-                                 enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                                 full_determinism=full_determinism,
-                                 gpu_memory_utilization=gpu_memory_utilization,
-                                 vllm_enable_sleep=vllm_enable_sleep, logprobs_mode=logprobs_mode,
-                                 remote_rm_url=remote_rm_url, max_images_per_prompt=max_images_per_prompt)
-        engines = create_war_engines(num_engines, engine, openrlhf_worker=True, placement_group=shared_pg is None,
-                                     shared_pg=shared_pg)
-        if vllm_enable_sleep:  # as OpenRLHF: engines sleep until the first generation wakes them
-            batch_vllm_engine_call(engines, "sleep")
-        return engines
-
-    return create_vllm_engines
-
-
-def engine_settings(config: RolloutConfig, *, pretrain: str, seed: int, max_model_len: int, enforce_eager: bool,
-                    tensor_parallel_size: int = 1, full_determinism: bool = False,
-                    gpu_memory_utilization: float | None = None, vllm_enable_sleep: bool = False,
-                    logprobs_mode: str | None = None, remote_rm_url: Any = None,
-                    max_images_per_prompt: int = 0) -> Any:
-    """The WAR engines' :class:`EngineConfig` from what ``train_ppo_ray`` hands
-    ``create_vllm_engines`` (OpenRLHF 0.11.2, ``trainer/ray/vllm_engine.py`` lines 209-225):
-    every argument is honoured or refused here, none is dropped."""
+def _engine_dict(engine: Mapping[str, Any], *, pretrain: str, seed: int, max_model_len: int, enforce_eager: bool,
+                 tensor_parallel_size: int = 1, full_determinism: bool = False,
+                 gpu_memory_utilization: float | None = None, vllm_enable_sleep: bool = False,
+                 logprobs_mode: str | None = None, remote_rm_url: Any = None,
+                 max_images_per_prompt: int = 0) -> dict[str, Any]:
+    """The WAR engine settings (``engine``: a mapping of ``EngineConfig`` keys) completed from
+    what ``train_ppo_ray`` hands ``create_vllm_engines`` (OpenRLHF 0.11.2,
+    ``trainer/ray/vllm_engine.py`` lines 209-225): every argument is honoured or refused here,
+    none is dropped."""
     if remote_rm_url and [str(u) for u in ([remote_rm_url] if isinstance(remote_rm_url, str) else remote_rm_url)] != ["agent"]:
         # OpenRLHF sets remote_url "agent" itself when --train.agent_func_path is given
         raise ValueError(f"--reward.remote_url {remote_rm_url!r}: WAR rollouts are multi-turn episodes whose "
@@ -224,16 +202,69 @@ def engine_settings(config: RolloutConfig, *, pretrain: str, seed: int, max_mode
     if max_images_per_prompt:
         raise ValueError(f"--data.max_images_per_prompt {max_images_per_prompt}: WAR engines serve text models "
                          "only; vision-language rollouts are not supported")
-    engine = _engine_from_openrlhf(config, pretrain=pretrain, seed=seed, max_model_len=max_model_len,
-                                   enforce_eager=enforce_eager)
-    changes: dict[str, Any] = {"tensor_parallel_size": int(tensor_parallel_size),
-                               "full_determinism": bool(full_determinism) or engine.full_determinism,
-                               "enable_sleep_mode": bool(vllm_enable_sleep)}
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    out = dict(engine)
+    out.update(model=str(pretrain), seed=int(seed), max_model_len=int(max_model_len),
+               enable_prefix_caching=True,  # WAR's dispatch counts on it
+               enforce_eager=bool(enforce_eager) or bool(out.get("enforce_eager", defaults["enforce_eager"])),
+               tensor_parallel_size=int(tensor_parallel_size),
+               full_determinism=bool(full_determinism) or bool(out.get("full_determinism",
+                                                                       defaults["full_determinism"])),
+               enable_sleep_mode=bool(vllm_enable_sleep))
     if gpu_memory_utilization is not None:
-        changes["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        out["gpu_memory_utilization"] = float(gpu_memory_utilization)
     if logprobs_mode:
-        changes["logprobs_mode"] = str(logprobs_mode)
-    return EngineConfig.from_dict({**engine.as_dict(), **changes}, source="OpenRLHF's --vllm.* arguments")
+        out["logprobs_mode"] = str(logprobs_mode)
+    return out
+
+
+def engine_settings(config: RolloutConfig, *, pretrain: str, seed: int, max_model_len: int, enforce_eager: bool,
+                    tensor_parallel_size: int = 1, full_determinism: bool = False,
+                    gpu_memory_utilization: float | None = None, vllm_enable_sleep: bool = False,
+                    logprobs_mode: str | None = None, remote_rm_url: Any = None,
+                    max_images_per_prompt: int = 0) -> Any:
+    """The WAR engines' :class:`EngineConfig` from ``config.engine`` and what ``train_ppo_ray``
+    hands ``create_vllm_engines`` (:func:`_engine_dict`)."""
+    return EngineConfig.from_dict(
+        _engine_dict(config.engine.as_dict(), pretrain=pretrain, seed=seed, max_model_len=max_model_len,
+                     enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                     full_determinism=full_determinism, gpu_memory_utilization=gpu_memory_utilization,
+                     vllm_enable_sleep=vllm_enable_sleep, logprobs_mode=logprobs_mode, remote_rm_url=remote_rm_url,
+                     max_images_per_prompt=max_images_per_prompt),
+        source="OpenRLHF's --vllm.* arguments")
+
+
+# ------------------------------------------------------------------ engines
+def war_engine_factory(settings: RolloutConfig) -> Callable[..., list]:
+    """A replacement for OpenRLHF's ``create_vllm_engines``: WAR engine actors with OpenRLHF's
+    weight-sync worker extension, placed as OpenRLHF places its own, configured by
+    ``settings.engine`` (the run's settings, built from the same OpenRLHF arguments before Ray
+    started: :func:`war_settings`). What ``train_ppo_ray`` passes is checked against them."""
+
+    def create_vllm_engines(num_engines, tensor_parallel_size, pretrain, seed, full_determinism,
+                            enable_prefix_caching, enforce_eager, max_model_len, shared_pg=None,
+                            gpu_memory_utilization=None, vllm_enable_sleep=False, logprobs_mode=None,
+                            agent_func_path=None, remote_rm_url=None, max_images_per_prompt=0):
+        from ..engine.actors import create_war_engines
+        from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+        engine = settings.engine
+        given = {"num_engines": (int(num_engines), settings.num_engines), "pretrain": (str(pretrain), engine.model),
+                 "seed": (int(seed), engine.seed), "max_model_len": (int(max_model_len), engine.max_model_len),
+                 "tensor_parallel_size": (int(tensor_parallel_size), engine.tensor_parallel_size),
+                 "vllm_enable_sleep": (bool(vllm_enable_sleep), engine.enable_sleep_mode)}
+        differ = {k: v for k, v in given.items() if v[0] != v[1]}
+        if differ:
+            raise RuntimeError("war_openrlhf: create_vllm_engines was called with "
+                               + ", ".join(f"{k}={a!r} (the settings: {b!r})" for k, (a, b) in differ.items())
+                               + "; the settings come from the same OpenRLHF arguments, parsed once")
+        engines = create_war_engines(settings.num_engines, engine, openrlhf_worker=True,
+                                     placement_group=shared_pg is None, shared_pg=shared_pg)
+        if engine.enable_sleep_mode:  # as OpenRLHF: engines sleep until the first generation wakes them
+            batch_vllm_engine_call(engines, "sleep")
+        return engines
+
+    return create_vllm_engines
 
 
 # ------------------------------------------------------------------ trainers
@@ -248,12 +279,12 @@ def _prepare_cpu() -> None:
         apply_cpu_support()
 
 
-def _war_samples_generator(trainer: Any, strategy: Any, vllm_engines: Sequence, config: RolloutConfig):
+def _war_samples_generator(trainer: Any, strategy: Any, vllm_engines: Sequence, settings: RolloutConfig):
     from ..training.samples_generator import WarSamplesGenerator
 
     old = trainer.samples_generator
     gen = WarSamplesGenerator(strategy, old.prompts_dataloader, old.eval_dataloader, old.tokenizer,
-                              vllm_engines, merge_openrlhf_args(config, strategy.args))
+                              vllm_engines, settings)  # the driver's settings, as built there
     seconds = gen.warm_up()  # before any step is timed (RolloutConfig.warm_up)
     if seconds is not None:
         print(f"war-train: rollout pool warmed up in {seconds:.1f} s (one untimed episode per engine)", flush=True)
@@ -437,13 +468,25 @@ def parse_openrlhf_args(openrlhf_argv: Sequence[str]) -> Any:
     return captured["checked"]
 
 
-def run_train_ppo_ray(config: RolloutConfig, openrlhf_argv: Sequence[str]) -> None:
-    """``python -m openrlhf.cli.train_ppo_ray OPENRLHF_ARGV`` with the WAR substitutions.
+def run_train_ppo_ray(settings: RolloutConfig, args: Any) -> None:
+    """OpenRLHF's ``train_ppo_ray.train(args)`` with the WAR substitutions (:func:`install`).
 
-    OpenRLHF's argument parser lives in that module's ``__main__`` block, so it runs as
-    ``__main__`` (``runpy``); its module-level ``from openrlhf.trainer.ray import
-    create_vllm_engines`` then picks up the substitution."""
-    for line in install(config):
+    ``args`` is the namespace :func:`parse_openrlhf_args` returned: OpenRLHF's arguments,
+    parsed and checked once, before Ray started; nothing parses them again. ``settings`` is
+    the run's frozen settings (:func:`war_settings`); the trainer classes carry it to the
+    trainer actor as it is. The module's own ``create_vllm_engines`` name (imported at its top)
+    is pointed at the substitution too."""
+    import importlib
+
+    import openrlhf.trainer.ray as openrlhf_ray
+
+    for line in install(settings):
         print(f"war-train: {line}", flush=True)
-    sys.argv = ["train_ppo_ray", *openrlhf_argv]
-    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    module = importlib.import_module("openrlhf.cli.train_ppo_ray")
+    _need(module, "train", "create_vllm_engines")
+    module.create_vllm_engines = openrlhf_ray.create_vllm_engines
+    if getattr(args, "use_ms", False):  # as the module's __main__ block does before train(args)
+        from modelscope.utils.hf_util import patch_hub
+
+        patch_hub()
+    module.train(args)

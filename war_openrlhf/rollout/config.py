@@ -2,7 +2,15 @@
 
 One YAML file describes a pool: its engines (an :class:`~war_openrlhf.engine.EngineConfig`
 under ``engine``, which carries the speculation mode, the switch and the index budget), the
-dispatch policy, and the episode limits. A bad key or type names the key and the file.
+dispatch policy and its options (``dispatch_kwargs``, checked against the policy's typed
+options, :class:`~war_openrlhf.dispatch.PolicyOptions`), and the episode limits. A bad key,
+type or value names the key and the file.
+
+A :class:`RolloutConfig` is frozen: it is complete when built and never changes afterwards
+(``dataclasses.replace`` makes another). Building it settles what its inputs imply, once: an
+``engine`` given as a mapping becomes an :class:`EngineConfig`, and ``kv_events`` (the
+dispatcher reads the engines' KV events) turns on ``engine.kv_events`` (the engines publish
+them).
 """
 
 from __future__ import annotations
@@ -12,14 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..config_checks import check_int, check_number, dataclass_from_dict, load_yaml
-from ..dispatch import POLICIES
+from ..dispatch import POLICIES, PolicyOptions
 from ..engine.config import EngineConfig
 
 ON_TOOL_ERROR = ("observe", "end")
 ENGINE_RECOVERY = ("off", "reinstate", "restart")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     """A WAR rollout pool and the episodes it runs."""
 
@@ -55,10 +63,13 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.on_failed_episode not in ("fail", "drop_group"):
             raise ValueError(f"RolloutConfig.on_failed_episode: '{self.on_failed_episode}' is not one of fail, drop_group")
-        if isinstance(self.engine, dict):
-            self.engine = EngineConfig.from_dict(self.engine, source="RolloutConfig.engine")
-        if self.kv_events and not self.engine.kv_events:  # the engines must publish what the dispatcher reads
-            self.engine = replace(self.engine, kv_events=True)
+        engine = self.engine
+        if isinstance(engine, dict):
+            engine = EngineConfig.from_dict(engine, source="RolloutConfig.engine")
+        if self.kv_events and not engine.kv_events:  # the engines must publish what the dispatcher reads
+            engine = replace(engine, kv_events=True)
+        if engine is not self.engine:  # settled while building, before anyone holds the object
+            object.__setattr__(self, "engine", engine)
         for name, minimum in (("num_engines", 1), ("n_samples_per_prompt", 1), ("max_turns", 1),
                               ("max_context_tokens", 2), ("engine_retries", 0), ("max_agent_calls_in_flight", 1)):
             check_int("RolloutConfig", name, getattr(self, name), minimum)
@@ -69,6 +80,7 @@ class RolloutConfig:
                              f"known: {', '.join(sorted(POLICIES))}")
         if not isinstance(self.dispatch_kwargs, dict):
             raise ValueError("RolloutConfig.dispatch_kwargs: must be a mapping of the policy's options")
+        self.dispatch_options  # noqa: B018 - checks each option's name, type and value
         if self.engine_recovery not in ENGINE_RECOVERY:
             raise ValueError(f"RolloutConfig.engine_recovery: '{self.engine_recovery}' is not one of "
                              f"{', '.join(ENGINE_RECOVERY)} (off: a dead or hung engine stays out; reinstate: "
@@ -106,6 +118,12 @@ class RolloutConfig:
         if eng:
             data["engine"] = {**(data.get("engine") or {}), **eng}
         return cls.from_dict({**data, **overrides}, source=str(path))
+
+    @property
+    def dispatch_options(self) -> PolicyOptions:
+        """``dispatch_kwargs`` as the policy's typed options (``POLICIES[dispatch_policy].Options``)."""
+        return POLICIES[self.dispatch_policy].Options.from_dict(self.dispatch_kwargs, "RolloutConfig.dispatch_kwargs",
+                                                                self.dispatch_policy)
 
     @property
     def turn_token_cap(self) -> int:

@@ -21,6 +21,7 @@ the async trainer alike.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -200,6 +201,7 @@ class WarSamplesGenerator:
 
     def __init__(self, strategy, prompts_dataloader, eval_dataloader, tokenizer, vllm_engines,
                  rollout_config: RolloutConfig) -> None:
+        self.settings = rollout_config  # the run's frozen settings, as the driver built them
         self.strategy = strategy
         self.args = strategy.args
         self.tokenizer = tokenizer
@@ -212,11 +214,25 @@ class WarSamplesGenerator:
         self._dataloader_iter = None
         self._batches = 0
         self._pending_metrics: dict[str, float] = {}  # reported with the next batch (warm-up)
+        self._sampled: dict[tuple[float, float], RolloutConfig] = {}  # (temperature, top_p) -> settings
+
+    def _batch_settings(self, generate_kwargs: dict) -> RolloutConfig:
+        """The settings for one rollout call: the run's own, or a copy with the temperature /
+        top-p OpenRLHF passes for this call (its evaluation uses ``--eval.temperature``). The
+        run's settings object itself never changes."""
+        base = self.settings
+        key = (float(generate_kwargs.get("temperature", base.temperature)),
+               float(generate_kwargs.get("top_p", base.top_p)))
+        if key == (base.temperature, base.top_p):
+            return base
+        if key not in self._sampled:
+            self._sampled[key] = replace(base, temperature=key[0], top_p=key[1])
+        return self._sampled[key]
 
     def warm_up(self) -> float | None:
         """The pool's warm-up on the first training prompt (``RolloutConfig.warm_up``), before
         the first step is timed; its seconds (TensorBoard ``war/warm_up_s``), or None if off."""
-        if not self.pool.config.warm_up or self.prompts_dataloader is None:
+        if not self.settings.warm_up or self.prompts_dataloader is None:
             return None
         dataset = self.prompts_dataloader.dataset
         if len(dataset) == 0:
@@ -227,19 +243,20 @@ class WarSamplesGenerator:
         return seconds
 
     def _rollout(self, prompts, labels, **generate_kwargs) -> list:
-        cfg = self.pool.config
+        cfg = self._batch_settings(generate_kwargs)
         n = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
-        if "temperature" in generate_kwargs:
-            cfg.temperature = float(generate_kwargs["temperature"])
-        if "top_p" in generate_kwargs:
-            cfg.top_p = float(generate_kwargs["top_p"])
+
         async def run():
             before = await self.pool.engine_stats()
             policy_before = dict(self.pool.policy.metrics())
             res = await self.pool.run_batch_async(prompts, labels, n_samples_per_prompt=n)
             return res, before, policy_before
 
-        res, before, policy_before = run_coroutine(run())
+        self.pool.config = cfg  # this call's sampling; the pool reads its settings per batch
+        try:
+            res, before, policy_before = run_coroutine(run())
+        finally:
+            self.pool.config = self.settings
         self._batches += 1
         kept, dropped_groups = healthy_groups(res.trajectories, n, cfg.on_failed_episode)
         self.metrics = {**self._pending_metrics,
@@ -257,8 +274,8 @@ class WarSamplesGenerator:
         import json
         import os
 
-        os.makedirs(self.pool.config.dump_dir, exist_ok=True)
-        path = os.path.join(self.pool.config.dump_dir, f"rollout_{self._batches:04d}.jsonl")
+        os.makedirs(self.settings.dump_dir, exist_ok=True)
+        path = os.path.join(self.settings.dump_dir, f"rollout_{self._batches:04d}.jsonl")
         with open(path, "w") as fh:
             for t in trajectories:
                 fh.write(json.dumps({**t.to_dict(), "policy_version": self.pool.policy_version}) + "\n")
