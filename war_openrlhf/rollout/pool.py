@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -575,11 +575,11 @@ class RolloutPool:
         (samples of the current weights), the dispatcher forgets its cache model, and the
         engines' prefix caches are emptied."""
         t0 = time.perf_counter()
-        progress, self.config.progress = self.config.progress, False
+        settings, self.config = self.config, replace(self.config, progress=False)  # settings are frozen
         try:
             await self.run_batch_async([prompt], [label], n_samples_per_prompt=len(self.engines))
         finally:
-            self.config.progress = progress
+            self.config = settings
         await asyncio.gather(*(e.reset_prefix_cache() for e in self.engines if e.healthy))
         self.policy.on_prefix_cache_reset()
         return time.perf_counter() - t0
