@@ -12,6 +12,7 @@ from openrlhf.utils.agent import AgentInstanceBase
 
 from war_openrlhf.rollout import RolloutConfig, run_episode
 from war_openrlhf.rollout.engine_client import EngineClient, EngineDead
+from war_openrlhf.rollout.turn_result import TurnResult
 from war_openrlhf.training.samples_generator import RolloutFailed, healthy_groups
 
 
@@ -36,8 +37,8 @@ class FakeService:
     async def generate_turn(self, trajectory_id, group_id, context, sampling_params, turn_index, tokens_so_far):
         self.turns += 1
         ids = [ord(c) for c in self.reply][: sampling_params["max_tokens"]] + [ord("x")] * self.extra
-        return {"token_ids": ids, "logprobs": [-0.5] * len(ids), "engine": 0, "finish_reason": "stop",
-                "num_prompt_tokens": len(context), "num_cached_tokens": 0, "weight_versions": [2, 2]}
+        return TurnResult(token_ids=ids, logprobs=[-0.5] * len(ids), engine=0, finish_reason="stop",
+                          num_prompt_tokens=len(context), num_cached_tokens=0, weight_versions=(2, 2))
 
     def park(self, trajectory_id, engine):
         self.parked[trajectory_id] = engine

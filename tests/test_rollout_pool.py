@@ -328,7 +328,7 @@ def test_kv_events_correct_the_dispatchers_model_of_each_cache(pool):
     stats = asyncio.run(sib.engine_stats())
     for s in stats:
         assert s.kv_events["events"] > 0 and s.kv_events["errors"] == 0, s.kv_events
-    for tr in sib._kv_translators.values():  # every stored block's parent was seen stored first
+    for tr in sib.router._kv_translators.values():  # every stored block's parent was seen stored first
         assert len(tr) > 0 and tr.unresolved == 0
 
     def on_engine0(result):  # contexts whose last turn ran on engine 0 (what its cache should hold)
@@ -368,9 +368,9 @@ def _wait_for_recovery(p, timeout_s: float) -> None:
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not p._recovered and time.monotonic() < deadline:
+    while not p.supervisor.has_recovered and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert p._recovered, f"no engine recovered within {timeout_s:g} s"
+    assert p.supervisor.has_recovered, f"no engine recovered within {timeout_s:g} s"
 
 
 def test_a_hung_engine_is_treated_as_dead_then_reinstated(pool):

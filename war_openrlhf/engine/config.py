@@ -15,6 +15,7 @@ from typing import Any
 from ..config_checks import check_int, dataclass_from_dict, load_yaml
 from ..model_source import ModelNotFound, resolve_model
 from ..speculation.index import SuffixIndexConfig
+from .drafting import Drafting, drafting_for
 from .spec_switch import SpecSwitchConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -90,6 +91,11 @@ class EngineConfig:
                              "set enable_prefix_caching: true")
         if self.sync_max_lag_seconds < 0:
             raise ValueError(f"EngineConfig.sync_max_lag_seconds: must be >= 0, got {self.sync_max_lag_seconds}")
+
+    @property
+    def drafting(self) -> Drafting:
+        """What this engine drafts from (:mod:`.drafting`): WAR's index or vLLM's own suffix method."""
+        return drafting_for(self.speculation)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "EngineConfig") -> "EngineConfig":

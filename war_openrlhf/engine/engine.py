@@ -212,7 +212,7 @@ class WarEngine:
             self._kv_events = KvEventSubscriber(endpoint, topic="war").start()
         self._flush_lock = asyncio.Lock()
         await self._check_sampler()
-        if cfg.speculation != "vllm_suffix":
+        if cfg.drafting.has_war_index:
             await self._rpc(RPC_INSTALL_INDEX, asdict(cfg.index), asdict(cfg.switch), cfg.speculation)
         self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())
         if self._agent_func_path:
@@ -401,14 +401,12 @@ class WarEngine:
     # ------------------------------------------------------------------ control & stats
     async def set_speculation(self, mode: str) -> str:
         """``auto`` | ``on`` | ``off``: override the load-aware switch; returns the previous mode."""
-        if self.config.speculation == "vllm_suffix":
-            raise ValueError("set_speculation: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        self.config.drafting.refuse_index_call("set_speculation")
         return await self._rpc(RPC_SET_MODE, mode)
 
     async def set_switch(self, switch: Mapping[str, Any]) -> dict[str, Any]:
         """Replace the load-aware switch's settings (its measurements start afresh)."""
-        if self.config.speculation == "vllm_suffix":
-            raise ValueError("set_switch: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        self.config.drafting.refuse_index_call("set_switch")
         return await self._rpc(RPC_SET_SWITCH, dict(switch))
 
     async def stats(self) -> dict[str, Any]:
@@ -436,7 +434,7 @@ class WarEngine:
             if cache.num_gpu_blocks:
                 out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
             out["kv_block_size"] = int(cache.block_size)
-        if self.config.speculation != "vllm_suffix" and self.llm is not None:
+        if self.config.drafting.has_war_index and self.llm is not None:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out
 
@@ -445,8 +443,7 @@ class WarEngine:
         ``owner`` (a pool), whose next entry to push is ``start_seq + 1`` (0: a new log; more:
         the owner's log was truncated up to ``start_seq``). ``stats()["index_owner"]`` tells a
         pool whether another pool has since taken the engine's index."""
-        if self.config.speculation == "vllm_suffix":
-            raise ValueError("reset_index: this engine runs vLLM's own suffix method (speculation='vllm_suffix')")
+        self.config.drafting.refuse_index_call("reset_index")
         async with self._flush_lock:
             self._pending.clear()
             self._pending_since = None

@@ -71,7 +71,6 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
     ``max_logprobs=1``; plus WAR's speculative config and worker extension.
     """
     from ..device import kv_blocks_for
-    from .rpc import war_engine_kwargs
 
     kwargs: dict[str, Any] = dict(
         model=cfg.model,
@@ -93,13 +92,8 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
         kwargs["max_logprobs"] = 1
     if cfg.kv_capacity_tokens is not None:  # a stated KV-pressure regime: the same size on every engine
         kwargs["num_gpu_blocks_override"] = kv_blocks_for(cfg.kv_capacity_tokens, cuda)
-    if cfg.speculation == "vllm_suffix":
-        kwargs["speculative_config"] = {"method": "suffix", "num_speculative_tokens": cfg.num_speculative_tokens}
-        if openrlhf_worker:
-            kwargs["worker_extension_cls"] = "openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap"
-    else:
-        kwargs.update(war_engine_kwargs(cfg.num_speculative_tokens, cfg.index.max_tree_depth,
-                                        openrlhf=openrlhf_worker))
+    kwargs.update(cfg.drafting.engine_kwargs(cfg.num_speculative_tokens, cfg.index.max_tree_depth,
+                                             openrlhf_worker=openrlhf_worker))
     return kwargs
 
 

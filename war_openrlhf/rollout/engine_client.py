@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 from ..dispatch import EngineState
 from ..engine.stats import EngineStats
 
-__all__ = ["ENGINE_METHODS", "EngineHandle", "EngineClient", "EngineDead", "actor_died"]
+__all__ = ["ENGINE_METHODS", "EngineHandle", "EngineClient", "EngineDead", "actor_died", "kill_actor"]
 
 #: KV capacity assumed until an engine reports its own.
 UNKNOWN_KV_TOKENS = 1 << 40
@@ -49,6 +49,16 @@ class EngineDead(RuntimeError):
 
 #: errors (by class name, as they cross Ray) that say the actor lives but its vLLM engine died
 _VLLM_DIED = ("EngineDeadError", "WorkerKilled")
+
+
+def kill_actor(handle: Any) -> None:
+    """End a Ray actor (already gone: nothing to do)."""
+    import ray
+
+    try:
+        ray.kill(handle)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 def actor_died(exc: BaseException) -> bool:
@@ -171,12 +181,34 @@ class EngineClient:
         self.error = None
         self.last_sync_error = None
 
-    def state(self, exclude_parked: int = 0) -> EngineState:
+    def probe_stats(self, timeout_s: float) -> tuple[dict[str, Any] | None, bool]:
+        """A blocking ``stats`` call for a recovery thread (off the pool's event loop): returns
+        ``(report, gone)``: the report, or None with ``gone`` True when the actor is gone and False
+        when it did not answer in ``timeout_s``."""
+        import ray
+
+        try:
+            return ray.get(self.handle.stats.remote(), timeout=timeout_s), False
+        except Exception as exc:  # noqa: BLE001 - hung (timeout) or gone (actor died)
+            return None, actor_died(exc)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut the engine down (if it answers) and end its actor."""
+        import ray
+
+        if self.healthy:
+            try:
+                ray.get(self.handle.shutdown.remote(), timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - hung or gone: killed below
+                pass
+        kill_actor(self.handle)
+
+    def dispatch_state(self) -> EngineState:
         """The dispatcher's snapshot of this engine."""
         used = 0
         if self.last_stats is not None and self.kv_capacity_tokens:
             used = int(self.last_stats.kv_cache_usage * self.kv_capacity_tokens)
         return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
-                           max(0, self.parked - exclude_parked), self.healthy, self.kv_block_size,
+                           max(0, self.parked), self.healthy, self.kv_block_size,
                            kv_used_tokens=max(used, 0))
 

@@ -25,12 +25,7 @@ from typing import Any, Protocol, Sequence
 from .agents import AgentContractError, check_step_result, turn_limits
 from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
-
-
-def _versions(out: dict) -> tuple[int, int]:
-    """``(first, last)`` weight version a turn ran under (an engine without versions: ``(0, 0)``)."""
-    v = out.get("weight_versions") or (0, 0)
-    return int(min(v)), int(max(v))
+from .turn_result import TurnResult
 
 
 class TurnService(Protocol):
@@ -38,7 +33,7 @@ class TurnService(Protocol):
 
     async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
                             sampling_params: dict[str, Any], turn_index: int,
-                            tokens_so_far: int) -> dict[str, Any]: ...
+                            tokens_so_far: int) -> TurnResult: ...
 
     def park(self, trajectory_id: str, engine: int) -> None: ...
 
@@ -194,11 +189,11 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
             traj.end_reason = "engine_error"
             traj.error = f"turn {turn}: {type(exc).__name__}: {exc}"
             return
-        action = list(out["token_ids"])
-        lps = list(out["logprobs"]) if out.get("logprobs") else [0.0] * len(action)
+        action = list(out.token_ids)
+        lps = list(out.logprobs) if out.logprobs else [0.0] * len(action)
         if len(lps) != len(action) or len(action) > params["max_tokens"]:
             traj.end_reason = "engine_error"  # an engine outside its contract: never a sample
-            traj.error = (f"turn {turn}: engine {out.get('engine')} returned {len(action)} tokens and {len(lps)} "
+            traj.error = (f"turn {turn}: engine {out.engine} returned {len(action)} tokens and {len(lps)} "
                           f"logprobs for max_tokens {params['max_tokens']}")
             return
         begin = len(traj.token_ids)
@@ -206,15 +201,14 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         traj.action_mask.extend([1] * len(action))
         traj.logprobs.extend(float(x) for x in lps)
         generated += len(action)
-        rec = TurnRecord(index=turn, engine=int(out["engine"]), start=begin, end=len(traj.token_ids),
-                         prompt_tokens=int(out.get("num_prompt_tokens", begin)),
-                         cached_tokens=int(out.get("num_cached_tokens", 0)),
-                         finish_reason=str(out.get("finish_reason")), dispatched_s=dispatched - t0,
-                         generate_s=time.perf_counter() - dispatched, attempts=int(out.get("attempts", 1)),
-                         policy_versions=_versions(out), estimated_cached_tokens=out.get("estimated_cached_tokens"),
-                         queue_s=out.get("queue_s"), prefill_s=out.get("prefill_s"))
+        rec = TurnRecord(index=turn, engine=out.engine, start=begin, end=len(traj.token_ids),
+                         prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                         finish_reason=str(out.finish_reason), dispatched_s=dispatched - t0,
+                         generate_s=time.perf_counter() - dispatched, attempts=out.attempts,
+                         policy_versions=out.weight_versions, estimated_cached_tokens=out.estimated_cached_tokens,
+                         queue_s=out.queue_s, prefill_s=out.prefill_s)
         traj.turns.append(rec)
-        traj.truncated = out.get("finish_reason") == "length"
+        traj.truncated = out.finish_reason == "length"
 
         action_text = tokenizer.decode(action, skip_special_tokens=False)
         states = {"observation_text": observation_text, "action_text": action_text, "label": traj.label,

@@ -1,0 +1,175 @@
+"""Turn routing: each turn to the engine the dispatch policy names, from the pool's own snapshot.
+
+The pool is every engine's only client, so the snapshot the policy reads (requests in flight and
+their token budget, trajectories parked on a tool per engine, KV capacity, health) is kept here
+rather than asked of the engines each turn. A policy may answer ``DEFER`` for a first turn
+(KV-aware admission): the turn waits until some turn or trajectory finishes. A turn whose engine
+dies or hangs (:class:`~.engine_client.EngineDead`) is sent again, to a healthy engine, up to
+``engine_retries`` times. Every finished turn is told to the policy (what it generated, how long
+it took) and handed to the :class:`~.log_shipper.LogShipper` for the global index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest
+from ..dispatch.kv_events import KvEventTranslator
+from .config import RolloutConfig
+from .engine_client import EngineClient, EngineDead
+from .log_shipper import LogShipper
+from .turn_result import TurnResult
+
+__all__ = ["TurnRouter"]
+
+log = logging.getLogger(__name__)
+
+
+class TurnRouter:
+    """The pool's ``TurnService``: dispatch, parking, deferral, and what the policy learns."""
+
+    def __init__(self, config: RolloutConfig, engines: Sequence[EngineClient], policy: DispatchPolicy,
+                 shipper: LogShipper) -> None:
+        self.config = config
+        self.engines = list(engines)
+        self.policy = policy
+        self.shipper = shipper
+        self.on_newer_weights: Any = None  # called with a version a turn reports above the pool's
+        self.before_dispatch: Any = None  # awaited before each dispatch (the pool installs recovered engines)
+        self._parked: dict[str, int] = {}
+        self._turn_done: asyncio.Condition | None = None
+        self._kv_translators: dict[int, KvEventTranslator] = {}  # engine -> its events' block hashes
+        self.tokens_generated = 0
+        self.kv_event_errors = 0
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Per-batch counters: turns sent again, deferrals and the seconds deferred turns waited."""
+        self.redispatched = 0
+        self.deferrals = 0
+        self.deferred_wait_s = 0.0
+
+    def start_batch(self) -> None:
+        """A new event loop runs the batch: its condition, and the policy's per-batch state."""
+        self._turn_done = asyncio.Condition()
+        self.policy.start_batch()
+        self.reset_counters()
+
+    # ------------------------------------------------------------------ TurnService
+    def park(self, trajectory_id: str, engine: int) -> None:
+        if trajectory_id not in self._parked:
+            self._parked[trajectory_id] = engine
+            self.engines[engine].parked += 1
+
+    def unpark(self, trajectory_id: str) -> None:
+        engine = self._parked.pop(trajectory_id, None)
+        if engine is not None:
+            self.engines[engine].parked -= 1
+
+    async def notify(self) -> None:
+        """A turn or trajectory finished: deferred turns may find room now."""
+        async with self._turn_done:
+            self._turn_done.notify_all()
+
+    async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
+                            sampling_params: dict[str, Any], turn_index: int, tokens_so_far: int) -> TurnResult:
+        ctx = np.asarray(context, dtype=np.int32)  # one array for the dispatcher, the log and the wire
+        request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far, arrival_s=time.monotonic())
+        attempts = 0
+        while True:
+            if self.before_dispatch is not None:
+                await self.before_dispatch()
+            states = [e.dispatch_state() for e in self.engines]
+            estimates = self._cache_estimates(ctx, states) if self.config.record_cache_estimates else None
+            eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
+            if eid == DEFER:
+                self.deferrals += 1
+                waited = time.perf_counter()
+                async with self._turn_done:
+                    await self._turn_done.wait()
+                self.deferred_wait_s += time.perf_counter() - waited
+                continue
+            eng = self.engines[eid]
+            budget = int(sampling_params.get("max_tokens", 0))
+            batch = eng.in_flight
+            t_sent = time.perf_counter()
+            eng.in_flight += 1
+            eng.queued_tokens += budget
+            attempts += 1
+            try:
+                answer = await eng.generate_tokens(ctx.tolist(), sampling_params, trajectory_id, group_id,
+                                                   timeout_s=self.config.turn_timeout_s)
+            except EngineDead:
+                if attempts > self.config.engine_retries:
+                    raise
+                self.redispatched += 1
+                continue
+            finally:
+                eng.in_flight -= 1
+                eng.queued_tokens -= budget
+            result = TurnResult.from_engine(answer, engine=eid, prompt_tokens=len(ctx), attempts=attempts,
+                                            estimated_cached_tokens=None if estimates is None else estimates.get(eid))
+            self._finished(request, eid, result, latency_s=time.perf_counter() - t_sent, batch=batch)
+            await self.notify()
+            return result
+
+    def _finished(self, request: TurnRequest, eid: int, result: TurnResult, *, latency_s: float, batch: int) -> None:
+        """What a finished turn teaches the policy, and its record for the global index."""
+        self.engines[eid].turns += 1
+        self.tokens_generated += len(result.token_ids)
+        response = np.asarray(result.token_ids, dtype=np.int32)
+        self.policy.on_turn_finished(request, eid, response)
+        self.policy.observe_turn(eid, prompt_tokens=len(request.context_token_ids), cached_tokens=result.num_cached_tokens,
+                                 response_tokens=len(response), latency_s=latency_s, batch=batch,
+                                 trajectory_id=request.trajectory_id)
+        first, last = result.weight_versions
+        if last > self.shipper.policy_version and self.on_newer_weights is not None:  # the weights moved on
+            self.on_newer_weights(last)
+        # the record ages from the oldest weights that produced any of its tokens
+        self.shipper.record(request.trajectory_id, request.group_id, first, request.context_token_ids, response)
+
+    def _cache_estimates(self, ctx: np.ndarray, states: Sequence[EngineState]) -> dict[int, int] | None:
+        """The dispatcher's estimate of each healthy engine's cached prefix of ``ctx`` before it
+        chooses (choosing updates its model), capped as vLLM caps a hit: whole blocks of all but
+        the last prompt token. None for policies that keep no model of the caches."""
+        from ..dispatch.block_index import whole_blocks
+
+        out = {}
+        for s in states:
+            if s.healthy:
+                est = self.policy.estimated_cached_tokens(s.engine_id, ctx)
+                if est is None:
+                    return None
+                out[s.engine_id] = min(int(est), whole_blocks(max(len(ctx) - 1, 0), s.kv_block_size))
+        return out
+
+    # ------------------------------------------------------------------ the policy's model of the caches
+    def engine_restarted(self, index: int) -> None:
+        """A new engine actor: its caches start empty."""
+        self.policy.on_prefix_cache_reset()
+        self._kv_translators.pop(index, None)
+
+    async def poll_kv_events(self) -> None:
+        """Hand each healthy engine's KV-cache events since the last poll to the policy
+        (``kv_events``): one caller per engine, so they arrive in order. A failed poll loses
+        nothing the next one would not bring (the engine keeps them) except on a dead engine,
+        whose model the policy no longer uses."""
+        for e in self.engines:
+            if not e.healthy:
+                continue
+            try:
+                events = await e.kv_events()
+            except EngineDead:
+                continue
+            except Exception:  # noqa: BLE001 - reported; the model keeps its own guess
+                self.kv_event_errors += 1
+                log.exception("KV events from engine %d could not be read", e.index)
+                continue
+            if events:
+                translator = self._kv_translators.setdefault(e.index, KvEventTranslator())
+                self.policy.on_kv_events(e.index, translator.translate(events))
