@@ -10,6 +10,9 @@ engine snapshots carry loads that either drift (--loads walk, default: each engi
 count moves by -1/0/+1 per decision, queued_tokens = 400 per request) or are redrawn i.i.d. in
 [0, 64) every decision (--loads iid, a stress case that makes WAR move most trajectories). Reports p50/p99 of choose() per policy, overall and for
 contexts >= 32k tokens, and WAR's on_turn_finished() cost (O(context blocks), outside choose).
+Every call is timed by wall time and by this thread's CPU time (the clocks' own cost
+subtracted); CPU time leaves out the time the scheduler gives to other work on a shared
+machine. --repeats runs, policies in turn within each; the JSON keeps every run.
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from war_openrlhf.dispatch import EngineState, TurnRequest, make_policy  # noqa: E402
-from war_openrlhf.metrics import spread, write_json  # noqa: E402
+from war_openrlhf.metrics import spread, timed_call, timer_overhead_us, write_json  # noqa: E402
 
 POLICY_ORDER = ["round_robin", "least_loaded", "sticky", "sglang_cache_aware", "dynamo_kv",
                 "verl_kv_aware", "war"]
 
 
 def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8192,
-        response=300, tool=700, loads_model="walk"):
+        response=300, tool=700, loads_model="walk", overhead=(0.0, 0.0)):
     rng = np.random.default_rng(seed)
     walk = rng.integers(16, 48, engines).astype(np.int64)
     pol = make_policy(name, engines)
@@ -48,6 +51,8 @@ def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8
             n += response + tool
         bounds.append(b)
     choose_us, big_us, finish_us = [], [], []
+    choose_cpu, big_cpu, finish_cpu = [], [], []
+    ow, oc = overhead
     nturns = max(len(b) for b in bounds)
     for turn in range(nturns):
         for t in range(trajectories):
@@ -64,16 +69,17 @@ def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8
                 loads = walk
             snap = [EngineState(i, int(loads[i]), 0, int(loads[i]) * 400, 2_000_000,
                                 int(rng.integers(0, 4))) for i in range(engines)]
-            t0 = time.perf_counter_ns()
-            eid = pol.choose(req, snap)
-            dt = (time.perf_counter_ns() - t0) / 1e3
+            eid, dt, dc = timed_call(pol.choose, req, snap)
+            dt, dc = max(0.0, dt - ow), max(0.0, dc - oc)
             choose_us.append(dt)
+            choose_cpu.append(dc)
             if n >= 32768:
                 big_us.append(dt)
+                big_cpu.append(dc)
             resp = streams[t][n:n + response]
-            t0 = time.perf_counter_ns()
-            pol.on_turn_finished(req, eid, resp)
-            finish_us.append((time.perf_counter_ns() - t0) / 1e3)
+            _, dt, dc = timed_call(pol.on_turn_finished, req, eid, resp)
+            finish_us.append(max(0.0, dt - ow))
+            finish_cpu.append(max(0.0, dc - oc))
     for t in range(trajectories):
         pol.on_trajectory_finished(f"t{t}")
     pct = lambda xs, q: float(np.percentile(xs, q)) if xs else float("nan")
@@ -82,10 +88,14 @@ def run(name, engines, trajectories, max_context, seed=0, group_size=8, prompt=8
         "p50_us": pct(choose_us, 50), "p99_us": pct(choose_us, 99),
         "p50_us_ctx>=32k": pct(big_us, 50), "p99_us_ctx>=32k": pct(big_us, 99),
         "finish_p50_us": pct(finish_us, 50), "finish_p99_us": pct(finish_us, 99),
+        "cpu_p50_us": pct(choose_cpu, 50), "cpu_p99_us": pct(choose_cpu, 99),
+        "cpu_p50_us_ctx>=32k": pct(big_cpu, 50), "cpu_p99_us_ctx>=32k": pct(big_cpu, 99),
+        "cpu_finish_p50_us": pct(finish_cpu, 50), "cpu_finish_p99_us": pct(finish_cpu, 99),
     }
 
 
 METRICS = ("p50_us", "p99_us", "p50_us_ctx>=32k", "p99_us_ctx>=32k", "finish_p50_us", "finish_p99_us")
+METRICS = METRICS + tuple(f"cpu_{m}" for m in METRICS)
 
 
 def main(argv=None) -> int:
@@ -105,11 +115,12 @@ def main(argv=None) -> int:
         raise SystemExit("--repeats must be >= 1")
     print(f"loads={args.loads} engines={args.engines} trajectories={args.trajectories} "
           f"max_context={args.max_context} repeats={args.repeats}")
+    overhead = timer_overhead_us()
     runs = {name: [] for name in args.policies}
     for r in range(args.repeats):
         for name in args.policies:
             runs[name].append(run(name, args.engines, args.trajectories, args.max_context,
-                                  seed=args.seed, loads_model=args.loads))
+                                  seed=args.seed, loads_model=args.loads, overhead=overhead))
         print(f"run {r + 1}/{args.repeats} done", flush=True)
     results = {}
     for name, rs in runs.items():
@@ -119,19 +130,20 @@ def main(argv=None) -> int:
     def cell(d):
         return f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})"
 
-    print(f"median of {args.repeats} runs (min-max), microseconds")
+    print(f"median of {args.repeats} runs (min-max), microseconds of CPU time (wall time p50 last)")
     print(f"{'policy':20s} {'turns':>6s} {'p50 us':>20s} {'p99 us':>20s} {'p50 >=32k':>20s} "
-          f"{'p99 >=32k':>20s} {'finish p50':>20s}")
+          f"{'p99 >=32k':>20s} {'finish p50':>20s} {'wall p50':>20s}")
     for name, d in results.items():
-        print(f"{name:20s} {d['turns']:6d} {cell(d['p50_us']):>20s} {cell(d['p99_us']):>20s} "
-              f"{cell(d['p50_us_ctx>=32k']):>20s} {cell(d['p99_us_ctx>=32k']):>20s} "
-              f"{cell(d['finish_p50_us']):>20s}"
+        print(f"{name:20s} {d['turns']:6d} {cell(d['cpu_p50_us']):>20s} {cell(d['cpu_p99_us']):>20s} "
+              f"{cell(d['cpu_p50_us_ctx>=32k']):>20s} {cell(d['cpu_p99_us_ctx>=32k']):>20s} "
+              f"{cell(d['cpu_finish_p50_us']):>20s} {cell(d['p50_us']):>20s}"
               + (f"  moves={d['moves'][0]}" if d["moves"][0] is not None else ""))
     out = write_json(args.json, {
         "benchmark": "dispatch_decision", "timed": True, "repeats": args.repeats,
         "workload": {"engines": args.engines, "trajectories": args.trajectories,
                      "max_context": args.max_context, "loads": args.loads, "seed": args.seed,
                      "group_size": 8, "prompt_tokens": 8192, "response_tokens": 300, "tool_tokens": 700},
+        "timer_overhead_us": {"wall": overhead[0], "cpu": overhead[1]},
         "policies": args.policies, "results": results})
     if out:
         print(f"wrote {out}")

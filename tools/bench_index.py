@@ -14,8 +14,10 @@
                  caches are flushed, after appending one token (as decoding does)
 
 Every measurement runs --repeats times (default 3) on the same work; the JSON keeps every run
-and the table shows the median (min-max). Timings are of this machine at this moment: the
-JSON records its load average, and other work on the cores shows as spread.
+and the table shows the median (min-max). Each is timed twice: wall time, and this thread's
+CPU time (``time.thread_time_ns``, the clocks' own cost subtracted), which leaves out the time
+the scheduler gives to other work on a shared machine (not the cache misses that work causes).
+The JSON records the machine's load average.
 
 Example:
   python tools/bench_index.py --json benchmarks/results/index/bench_index.json
@@ -33,7 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
+from war_openrlhf.metrics import format_table, spread, timed_call, timer_overhead_us, write_json  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, SuffixIndexConfig  # noqa: E402
 from war_openrlhf.traces import group_trajectories, load_chat_traces, tokenize_traces  # noqa: E402
 
@@ -50,23 +52,21 @@ def turn_records(trajs, policy_version=0, prefix=""):
 
 
 def bench_insertion(records, config):
-    """One run: a fresh replica applies every record from the log; tokens/s."""
+    """One run: a fresh replica applies every record from the log; tokens/s (wall, CPU)."""
     log = CompletedSequenceLog()
     log.append_many(records)
     replica = GlobalSuffixIndex(config)
-    t0 = time.perf_counter()
-    replica.sync(log)
-    dt = time.perf_counter() - t0
-    return replica, replica.indexed_tokens / dt
+    _, wall_us, cpu_us = timed_call(replica.sync, log)
+    return replica, 1e6 * replica.indexed_tokens / wall_us, 1e6 * replica.indexed_tokens / cpu_us
 
 
-def bench_speculate(replica, trajs, k, calls, seed):
+def bench_speculate(replica, trajs, k, calls, seed, overhead):
     """Latency of speculate as an engine's decode loop calls it: a random turn is
     decoded from its first token to its end (speculate, append accepted + 1, repeat);
     every call is timed, the first one of each turn (cold caches) included."""
     rng = np.random.default_rng(seed)
     turns = [(tr, t) for tr in trajs for t in tr.turns if t.response_token_ids.size > 4]
-    lat = []
+    lat, cpu = [], []
     drafted = 0
     i = 0
     while len(lat) < calls:
@@ -79,9 +79,9 @@ def bench_speculate(replica, trajs, k, calls, seed):
         replica.extend_request(rid, resp[:pos])
         while pos < resp.size:
             ctx = np.concatenate([turn.context_token_ids[-64:], resp[:pos]])
-            t0 = time.perf_counter_ns()
-            d = replica.speculate_engine(rid, ctx, k)
-            lat.append((time.perf_counter_ns() - t0) / 1e3)
+            d, w, c = timed_call(replica.speculate_engine, rid, ctx, k)
+            lat.append(max(0.0, w - overhead[0]))
+            cpu.append(max(0.0, c - overhead[1]))
             drafted += len(d.token_ids) > 0
             accepted = 0
             for tok in d.token_ids:
@@ -92,11 +92,13 @@ def bench_speculate(replica, trajs, k, calls, seed):
             replica.extend_request(rid, resp[pos : pos + step])
             pos += step
         replica.stop_request(rid)
-    lat = np.array(lat)
-    return float(np.percentile(lat, 50)), float(np.percentile(lat, 99)), drafted / len(lat)
+    pct = lambda xs, q: float(np.percentile(np.array(xs), q))
+    return {"speculate_p50_us": pct(lat, 50), "speculate_p99_us": pct(lat, 99),
+            "speculate_p50_cpu_us": pct(cpu, 50), "speculate_p99_cpu_us": pct(cpu, 99),
+            "speculate_draft_rate": drafted / len(lat)}
 
 
-def bench_breakdown(replica, trajs, k, calls, seed, flush_mib=64):
+def bench_breakdown(replica, trajs, k, calls, seed, overhead, flush_mib=64):
     """Where one request's speculate time goes, p50 over ``calls`` calls each: the same call
     again (warm CPU caches), the same call after ``flush_mib`` MiB are written (cold caches),
     and after appending one token each time (as decoding does)."""
@@ -113,9 +115,8 @@ def bench_breakdown(replica, trajs, k, calls, seed, flush_mib=64):
         return np.concatenate([turn.context_token_ids[-64:], resp[:pos]])
 
     def timed(c):
-        t0 = time.perf_counter_ns()
-        replica.speculate_engine(rid, c, k)
-        return (time.perf_counter_ns() - t0) / 1e3
+        _, w, cpu = timed_call(replica.speculate_engine, rid, c, k)
+        return max(0.0, w - overhead[0]), max(0.0, cpu - overhead[1])
 
     c = ctx()
     timed(c)
@@ -131,8 +132,11 @@ def bench_breakdown(replica, trajs, k, calls, seed, flush_mib=64):
         pos += 1
         appended.append(timed(ctx()))
     replica.stop_request(rid)
-    return {"warm_us": float(np.median(warm)), "flushed_us": float(np.median(flushed)),
-            "after_append_us": float(np.median(appended)), "calls": calls, "flush_mib": flush_mib}
+    out = {}
+    for name, xs in (("warm", warm), ("flushed", flushed), ("after_append", appended)):
+        out[f"{name}_us"] = float(np.median([w for w, _ in xs]))
+        out[f"{name}_cpu_us"] = float(np.median([c for _, c in xs]))
+    return out
 
 
 def bench_replication(base_records, recs, config, replicas):
@@ -145,15 +149,16 @@ def bench_replication(base_records, recs, config, replicas):
     for rep in reps:
         rep.sync(log)
     before = reps[0].indexed_tokens
-    t0 = time.perf_counter()
+    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
     log.append_many(recs)
-    times = []
+    walls, cpus = [], []
     for rep in reps:
-        t1 = time.perf_counter()
-        rep.sync(log)
-        times.append(time.perf_counter() - t1)
-    serial = time.perf_counter() - t0
-    return 1e3 * serial, 1e3 * max(times), reps[0].indexed_tokens - before
+        _, w, c = timed_call(rep.sync, log)
+        walls.append(w)
+        cpus.append(c)
+    serial_wall, serial_cpu = (time.perf_counter_ns() - w0) / 1e6, (time.thread_time_ns() - c0) / 1e6
+    return {"serial_ms": serial_wall, "per_replica_ms": max(walls) / 1e3,
+            "serial_cpu_ms": serial_cpu, "per_replica_cpu_ms": max(cpus) / 1e3}, reps[0].indexed_tokens - before
 
 
 def main(argv=None) -> int:
@@ -187,27 +192,28 @@ def main(argv=None) -> int:
     real_recs = list(turn_records([real], prefix="rep/"))
     base = records[:500]
 
-    runs = {"insertion_tokens_per_s": [], "speculate_p50_us": [], "speculate_p99_us": [],
-            "speculate_draft_rate": [], "breakdown_warm_us": [], "breakdown_flushed_us": [],
-            "breakdown_after_append_us": [], "replicate_8k_serial_ms": [], "replicate_8k_per_replica_ms": [],
-            "replicate_real_serial_ms": [], "replicate_real_per_replica_ms": []}
+    overhead = timer_overhead_us()
+    runs: dict[str, list[float]] = {}
+
+    def add(key, value):
+        runs.setdefault(key, []).append(value)
+
     tokens_inserted = {}
     for r in range(args.repeats):  # every measurement once per run, runs in sequence
-        replica, rate = bench_insertion(records, config)
-        runs["insertion_tokens_per_s"].append(rate)
-        p50, p99, hit = bench_speculate(replica, trajs, args.k, args.calls, args.seed)
-        runs["speculate_p50_us"].append(p50)
-        runs["speculate_p99_us"].append(p99)
-        runs["speculate_draft_rate"].append(hit)
-        bd = bench_breakdown(replica, trajs, args.k, args.breakdown_calls, args.seed)
-        for key in ("warm_us", "flushed_us", "after_append_us"):
-            runs[f"breakdown_{key}"].append(bd[key])
+        replica, rate, rate_cpu = bench_insertion(records, config)
+        add("insertion_tokens_per_s", rate)
+        add("insertion_cpu_tokens_per_s", rate_cpu)
+        for key, v in bench_speculate(replica, trajs, args.k, args.calls, args.seed, overhead).items():
+            add(key, v)
+        for key, v in bench_breakdown(replica, trajs, args.k, args.breakdown_calls, args.seed, overhead).items():
+            add(f"breakdown_{key}", v)
         for name, recs in (("8k", worst), ("real", real_recs)):
-            serial, per, toks = bench_replication(base, recs, config, args.replicas)
-            runs[f"replicate_{name}_serial_ms"].append(serial)
-            runs[f"replicate_{name}_per_replica_ms"].append(per)
+            times, toks = bench_replication(base, recs, config, args.replicas)
+            for key, v in times.items():
+                add(f"replicate_{name}_{key}", v)
             tokens_inserted[name] = toks
-        print(f"run {r + 1}/{args.repeats}: insertion {rate / 1e6:.2f} M tokens/s, speculate p50 {p50:.1f} us",
+        print(f"run {r + 1}/{args.repeats}: insertion {rate / 1e6:.2f} M tokens/s ({rate_cpu / 1e6:.2f} by CPU time), "
+              f"speculate p50 {runs['speculate_p50_us'][-1]:.1f} us ({runs['speculate_p50_cpu_us'][-1]:.1f} CPU)",
               flush=True)
 
     results = {key: spread(vals) for key, vals in runs.items()}
@@ -218,11 +224,14 @@ def main(argv=None) -> int:
         replicate_real_trajectory_tokens=real_tokens,
         replicate_real_tokens_per_replica=tokens_inserted["real"],
         k=args.k, calls=args.calls, breakdown_calls=args.breakdown_calls, breakdown_flush_mib=64,
+        timer_overhead_us={"wall": overhead[0], "cpu": overhead[1]},
     )
 
     def fmt(key, scale=1.0):
-        s = results[key]
-        return f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f}-{s['max'] * scale:.2f})"
+        s, c = results[key], results[key.replace("_us", "_cpu_us").replace("_ms", "_cpu_ms")
+                                         .replace("insertion_tokens", "insertion_cpu_tokens")]
+        return (f"{s['median'] * scale:.2f} ({s['min'] * scale:.2f}-{s['max'] * scale:.2f}), CPU "
+                f"{c['median'] * scale:.2f} ({c['min'] * scale:.2f}-{c['max'] * scale:.2f})")
 
     rows = [
         {"metric": "insertion", "value": fmt("insertion_tokens_per_s", 1e-6), "unit": "M tokens/s",

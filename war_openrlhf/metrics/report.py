@@ -171,11 +171,43 @@ def read_json(path: str | Path) -> Any:
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
-    """A timed figure over repeated runs: ``{"median", "min", "max", "runs"}`` (every run kept)."""
+    """A timed figure over repeated runs: ``{"median", "min", "max", "runs"}`` (every run kept;
+    NaN runs, where nothing was measured, are left out of the median and the range)."""
     vals = [float(v) for v in values]
     if not vals:
         raise ValueError("spread: no runs")
-    s = sorted(vals)
+    s = sorted(v for v in vals if math.isfinite(v))
+    if not s:  # nothing measured (e.g. no call fell in the bucket)
+        return {"median": None, "min": None, "max": None, "runs": vals}
     n = len(s)
     median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
     return {"median": median, "min": s[0], "max": s[-1], "runs": vals}
+
+
+def timed_call(fn: Any, *args: Any) -> tuple[Any, float, float]:
+    """``(result, wall_us, cpu_us)`` of one call. CPU time is this thread's
+    (``time.thread_time_ns``): time the scheduler gives to other work on a shared machine is
+    not in it, cache interference from that work still is. Both include the clocks' own
+    cost; :func:`timer_overhead_us` measures it, to be subtracted."""
+    import time
+
+    c0 = time.thread_time_ns()
+    w0 = time.perf_counter_ns()
+    out = fn(*args)
+    w1 = time.perf_counter_ns()
+    c1 = time.thread_time_ns()
+    return out, (w1 - w0) / 1e3, (c1 - c0) / 1e3
+
+
+def _noop() -> None:
+    return None
+
+
+def timer_overhead_us(samples: int = 2000) -> tuple[float, float]:
+    """Median ``(wall_us, cpu_us)`` that :func:`timed_call` reports for an empty call."""
+    walls, cpus = [], []
+    for _ in range(samples):
+        _, w, c = timed_call(_noop)
+        walls.append(w)
+        cpus.append(c)
+    return spread(walls)["median"], spread(cpus)["median"]
