@@ -4,6 +4,7 @@ below it (read from the source, so a new upward or sideways import fails here by
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "war_openrlhf"
@@ -84,3 +85,16 @@ def test_the_layer_table_has_no_cycles():
 
     for pkg in ALLOWED:
         depth(pkg)
+
+
+#: The modules that reach the repository's examples/ by file path (docs/architecture.md, "Rules"):
+#: an arrow the import table cannot see, so it is checked here by name.
+EXAMPLES_USERS = {"fixtures/example_tasks.py", "cli/cpu_demo.py"}
+
+
+def test_examples_are_reached_only_where_the_docs_say():
+    found = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+             if re.search(r"""["']examples["'/]""", p.read_text())}
+    assert found == EXAMPLES_USERS, (
+        f"modules naming the examples/ directory: {sorted(found)}; load an example task through "
+        f"fixtures/example_tasks.py (load_task) or update docs/architecture.md and EXAMPLES_USERS")

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from war_openrlhf.dispatch import DispatchPolicy
-from war_openrlhf.simulation.cluster import (ConservationError, Ledger, SimConfig, _Engine, _Req,
-                                             _Traj, simulate)
+from war_openrlhf.simulation.cluster import ConservationError, Ledger, SimConfig, _Traj, simulate
+from war_openrlhf.simulation.cluster_engine import SimEngine, SimRequest
 from war_openrlhf.simulation.cost_model import PRESETS, CostModel, get_preset
 from war_openrlhf.traces import TokenizedTrajectory, Turn
 
@@ -131,11 +131,11 @@ def test_prefix_cache_reuse_and_eviction():
 
 def test_kv_admission_waits_when_full():
     cost = get_preset("h100_qwen7b").with_overrides(kv_capacity_tokens=320)
-    eng = _Engine(0, cost)
+    eng = SimEngine(0, cost)
     trajs = [_Traj(make_traj(f"t{i}", f"g{i}", np.arange(i * 500, i * 500 + 176), 1, 16, 0, i))
              for i in range(2)]
     for t in trajs:  # each needs 12 of the 20 blocks
-        eng.enqueue(_Req(t, 0, None, 0.0))
+        eng.enqueue(SimRequest(t, 0, None, 0.0))
     eng.plan_step()
     assert len(eng.running) == 1 and len(eng.waiting) == 1
     # End to end: the second request waits for the first, so the makespan roughly doubles.

@@ -112,7 +112,7 @@ def test_transcripts_are_deterministic_and_mask_exactly_the_actions(tokenizer, t
 @pytest.mark.parametrize("task", TASKS)
 def test_scripted_answers_get_full_reward_from_the_agents_reward(tokenizer, task):
     transcripts = scripted_transcripts(tokenizer, task, 10, seed=0, error_rate=1.0, n_eval=2)
-    protocol = tiny_policy._protocol()
+    protocol = tiny_policy.tool_protocol()
     agent = tiny_policy.load_task(task).agent
     for t in transcripts:
         assert t.reward == 1.0
@@ -128,7 +128,7 @@ def test_scripted_answers_get_full_reward_from_the_agents_reward(tokenizer, task
 def test_held_out_prompts_are_not_trained_on(tokenizer):
     for task in TASKS:
         t = tiny_policy.load_task(task)
-        train, held, _ = tiny_policy._split_rows(t, 30, 5, seed=0)
+        train, held, _ = tiny_policy.split_rows(t, 30, 5, seed=0)
         assert len(held) == 5 and len(train) == 30
         assert not {r["prompt"] for r, _ in held} & {r["prompt"] for r, _ in train}
 

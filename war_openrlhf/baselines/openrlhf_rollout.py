@@ -67,22 +67,8 @@ def start_openrlhf_engines(
     parallel 1, no shared placement group, no sleep mode, no full determinism,
     ``gpu_memory_utilization`` 0.95 as ``--vllm.gpu_memory_utilization``).
 
-    On CPU it creates the same ``RolloutRayActor`` with the same engine arguments,
-    except (each needed to run at all, or to run the tiny test model faithfully):
-
-    - no placement group and ``num_gpus=0, num_cpus=1`` per actor instead of
-      ``{"GPU": 1, "CPU": 1}`` bundles: there are no GPUs to reserve;
-    - ``dtype="float32"`` instead of ``"bfloat16"``: the tiny test model is float32 and
-      its greedy/logprob checks need it (see ``fixtures.tiny_model``);
-    - ``enforce_eager`` as above (there are no CUDA graphs to capture on CPU);
-    - no ``gpu_memory_utilization`` (meaningless on CPU); KV space comes from
-      ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_space_gib``, default: the environment's
-      value or 1 GiB);
-    - each engine bound to its own core with ``VLLM_CPU_OMP_THREADS_BIND`` (through the
-      actor's ``runtime_env``): unbound engines would share every core;
-    - ``worker_extension_cls`` is OpenRLHF's ``WorkerWrap``, as ``create_vllm_engines``
-      sets it: it loads on CPU (only its weight-sync methods need CUDA, and the
-      rollout never calls them).
+    On CPU it creates the same ``RolloutRayActor`` with the same engine arguments, except
+    where :func:`_start_cpu_actors` says.
 
     Two engine arguments a benchmark states explicitly, passed to ``vllm.AsyncEngineArgs``
     through ``RolloutRayActor``'s keyword arguments (CPU path only: on CUDA,
@@ -100,13 +86,7 @@ def start_openrlhf_engines(
 
     check_num_engines(num_engines)
     model_dir = str(model_dir)
-    if agent_func_path is not None:
-        agent_func_path = str(agent_func_path)
-        if not agent_func_path.endswith(".py") or not os.path.isfile(agent_func_path):
-            raise ValueError(
-                f"agent_func_path: {agent_func_path!r} is not a .py file; OpenRLHF loads the AgentExecutor class "
-                "from a Python file"
-            )
+    agent_func_path = _checked_agent_path(agent_func_path)
     cuda = cuda_available()
     if enforce_eager is None:
         enforce_eager = not cuda
@@ -120,13 +100,7 @@ def start_openrlhf_engines(
                                    cpu_core=None if cuda else cores[i]), cuda=cuda)
     if not ray.is_initialized():
         raise RuntimeError("start_openrlhf_engines: Ray is not initialized; call ray.init(...) first")
-
-    if kv_capacity_tokens is not None and kv_capacity_tokens < max_model_len:
-        raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} cannot hold one max_model_len={max_model_len} "
-                         "sequence")
-    if cuda and (kv_capacity_tokens is not None or speculative_config is not None):
-        raise ValueError("kv_capacity_tokens / speculative_config: OpenRLHF's create_vllm_engines (the CUDA path) "
-                         "takes neither; size KV with gpu_memory_utilization there")
+    _check_engine_extras(kv_capacity_tokens, speculative_config, max_model_len, cuda)
     if cuda:
         from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
 
@@ -135,43 +109,44 @@ def start_openrlhf_engines(
             None, 0.95, False, logprobs_mode, agent_func_path=agent_func_path,
         )
     else:
-        from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+        engines = _start_cpu_actors(num_engines, model_dir, agent_func_path=agent_func_path,
+                                    max_model_len=max_model_len, seed=seed,
+                                    enable_prefix_caching=enable_prefix_caching,
+                                    enforce_eager=bool(enforce_eager), cores=cores, kv_gib=kv_gib,
+                                    logprobs_mode=logprobs_mode, kv_capacity_tokens=kv_capacity_tokens,
+                                    speculative_config=speculative_config)
+    _wait_until_serving(engines)
+    return engines
 
-        engines = []
-        for i in range(num_engines):
-            actor_kwargs = {
-                "model": model_dir,
-                "enforce_eager": bool(enforce_eager),
-                "worker_extension_cls": OPENRLHF_WORKER_WRAP,
-                "tensor_parallel_size": 1,
-                "seed": seed + i,
-                "distributed_executor_backend": "uni",
-                "max_model_len": max_model_len,
-                "enable_prefix_caching": enable_prefix_caching,
-                "dtype": "float32",
-                # the baseline mirrors OpenRLHF's own engine arguments (create_vllm_engines,
-                # vllm_engine.py line 274); the models here are local builds with no custom code
-                "trust_remote_code": True,
-                "full_determinism": False,
-                "bundle_indices": None,
-                "num_gpus": 0,
-                "enable_sleep_mode": False,
-                "agent_func_path": agent_func_path,
-                "remote_rm_url": None,
-                "mm_pad_token_ids": set(),
-            }
-            if logprobs_mode:
-                actor_kwargs["logprobs_mode"] = logprobs_mode
-                actor_kwargs["max_logprobs"] = 1
-            if kv_capacity_tokens is not None:
-                actor_kwargs["num_gpu_blocks_override"] = kv_blocks_for(kv_capacity_tokens, cuda=False)
-            if speculative_config is not None:
-                actor_kwargs["speculative_config"] = dict(speculative_config)
-            env_vars = cpu_engine_env(cores[i], kv_gib)
-            engines.append(RolloutRayActor.options(**engine_actor_options(cuda=False, env_vars=env_vars)).remote(
-                **actor_kwargs
-            ))
-    try:  # the async __init__ has run (the engine is up) once an actor answers
+
+def _checked_agent_path(agent_func_path: str | os.PathLike | None) -> str | None:
+    if agent_func_path is None:
+        return None
+    agent_func_path = str(agent_func_path)
+    if not agent_func_path.endswith(".py") or not os.path.isfile(agent_func_path):
+        raise ValueError(
+            f"agent_func_path: {agent_func_path!r} is not a .py file; OpenRLHF loads the AgentExecutor class "
+            "from a Python file"
+        )
+    return agent_func_path
+
+
+def _check_engine_extras(kv_capacity_tokens: int | None, speculative_config: dict | None, max_model_len: int,
+                         cuda: bool) -> None:
+    if kv_capacity_tokens is not None and kv_capacity_tokens < max_model_len:
+        raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} cannot hold one max_model_len={max_model_len} "
+                         "sequence")
+    if cuda and (kv_capacity_tokens is not None or speculative_config is not None):
+        raise ValueError("kv_capacity_tokens / speculative_config: OpenRLHF's create_vllm_engines (the CUDA path) "
+                         "takes neither; size KV with gpu_memory_utilization there")
+
+
+def _wait_until_serving(engines: list[Any]) -> None:
+    """Wait for every engine's async ``__init__`` (the engine is up once an actor answers);
+    on a failure stop them all and say what to check."""
+    import ray
+
+    try:
         ray.get([e.get_num_unfinished_requests.remote() for e in engines])
     except Exception as exc:
         stop_openrlhf_engines(engines)
@@ -179,6 +154,67 @@ def start_openrlhf_engines(
             f"start_openrlhf_engines: an OpenRLHF RolloutRayActor failed to start ({type(exc).__name__}: {exc}); "
             "check model_dir / max_model_len / kv_cache_space_gib / agent_func_path"
         ) from exc
+
+
+def _start_cpu_actors(num_engines: int, model_dir: str, *, agent_func_path: str | None, max_model_len: int,
+                      seed: int, enable_prefix_caching: bool, enforce_eager: bool, cores: Sequence[int],
+                      kv_gib: float, logprobs_mode: str | None, kv_capacity_tokens: int | None,
+                      speculative_config: dict | None) -> list[Any]:
+    """OpenRLHF's ``RolloutRayActor`` engines on CPU (not yet waited for).
+
+    The engine arguments of ``create_vllm_engines``, except (each needed to run at all, or to run
+    the tiny test model faithfully):
+
+    - no placement group and ``num_gpus=0, num_cpus=1`` per actor instead of
+      ``{"GPU": 1, "CPU": 1}`` bundles: there are no GPUs to reserve;
+    - ``dtype="float32"`` instead of ``"bfloat16"``: the tiny test model is float32 and
+      its greedy/logprob checks need it (see ``fixtures.tiny_model``);
+    - ``enforce_eager`` by default (there are no CUDA graphs to capture on CPU);
+    - no ``gpu_memory_utilization`` (meaningless on CPU); KV space comes from
+      ``VLLM_CPU_KVCACHE_SPACE`` (``kv_cache_space_gib``, default: the environment's
+      value or 1 GiB);
+    - each engine bound to its own core with ``VLLM_CPU_OMP_THREADS_BIND`` (through the
+      actor's ``runtime_env``): unbound engines would share every core;
+    - ``worker_extension_cls`` is OpenRLHF's ``WorkerWrap``, as ``create_vllm_engines``
+      sets it: it loads on CPU (only its weight-sync methods need CUDA, and the
+      rollout never calls them).
+    """
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+
+    engines = []
+    for i in range(num_engines):
+        actor_kwargs = {
+            "model": model_dir,
+            "enforce_eager": bool(enforce_eager),
+            "worker_extension_cls": OPENRLHF_WORKER_WRAP,
+            "tensor_parallel_size": 1,
+            "seed": seed + i,
+            "distributed_executor_backend": "uni",
+            "max_model_len": max_model_len,
+            "enable_prefix_caching": enable_prefix_caching,
+            "dtype": "float32",
+            # the baseline mirrors OpenRLHF's own engine arguments (create_vllm_engines,
+            # vllm_engine.py line 274); the models here are local builds with no custom code
+            "trust_remote_code": True,
+            "full_determinism": False,
+            "bundle_indices": None,
+            "num_gpus": 0,
+            "enable_sleep_mode": False,
+            "agent_func_path": agent_func_path,
+            "remote_rm_url": None,
+            "mm_pad_token_ids": set(),
+        }
+        if logprobs_mode:
+            actor_kwargs["logprobs_mode"] = logprobs_mode
+            actor_kwargs["max_logprobs"] = 1
+        if kv_capacity_tokens is not None:
+            actor_kwargs["num_gpu_blocks_override"] = kv_blocks_for(kv_capacity_tokens, cuda=False)
+        if speculative_config is not None:
+            actor_kwargs["speculative_config"] = dict(speculative_config)
+        env_vars = cpu_engine_env(cores[i], kv_gib)
+        engines.append(RolloutRayActor.options(**engine_actor_options(cuda=False, env_vars=env_vars)).remote(
+            **actor_kwargs
+        ))
     return engines
 
 
@@ -299,21 +335,8 @@ def run_openrlhf_rollout(
     ``trajectories_per_engine``, ``placements`` (engine of each prompt, in prompt
     order) and ``load_snapshot`` (the unfinished-request counts the dispatch used).
     """
-    import ray
-
-    if not engines:
-        raise ValueError("engines: no engines given; start them with start_openrlhf_engines")
     prompts, labels = list(prompts), list(labels)
-    if not prompts:
-        raise ValueError("prompts: empty; give at least one prompt")
-    if len(labels) != len(prompts):
-        raise ValueError(f"labels: {len(labels)} labels for {len(prompts)} prompts; give one label per prompt")
-    _check_positive_int("n_samples_per_prompt", n_samples_per_prompt)
-    _check_positive_int("max_len", max_len)
-    if max_new_tokens is not None:
-        _check_positive_int("max_new_tokens", max_new_tokens)
-        if max_new_tokens >= max_len:
-            raise ValueError(f"max_new_tokens: {max_new_tokens} leaves no room for the prompt in max_len={max_len}")
+    _check_rollout_args(engines, prompts, labels, n_samples_per_prompt, max_new_tokens, max_len)
     if isinstance(tokenizer, (str, os.PathLike)):
         from openrlhf.utils.utils import get_tokenizer
 
@@ -341,13 +364,37 @@ def run_openrlhf_rollout(
     )
     wall = time.perf_counter() - t0
 
-    snapshot = [0] * len(engines)
+    return experiences, _rollout_stats(log, len(engines), experiences, consumed, wall, n_samples_per_prompt)
+
+
+def _check_rollout_args(engines: Sequence[Any], prompts: list, labels: list, n_samples_per_prompt: int,
+                        max_new_tokens: int | None, max_len: int) -> None:
+    if not engines:
+        raise ValueError("engines: no engines given; start them with start_openrlhf_engines")
+    if not prompts:
+        raise ValueError("prompts: empty; give at least one prompt")
+    if len(labels) != len(prompts):
+        raise ValueError(f"labels: {len(labels)} labels for {len(prompts)} prompts; give one label per prompt")
+    _check_positive_int("n_samples_per_prompt", n_samples_per_prompt)
+    _check_positive_int("max_len", max_len)
+    if max_new_tokens is not None:
+        _check_positive_int("max_new_tokens", max_new_tokens)
+        if max_new_tokens >= max_len:
+            raise ValueError(f"max_new_tokens: {max_new_tokens} leaves no room for the prompt in max_len={max_len}")
+
+
+def _rollout_stats(log: dict[str, list], num_engines: int, experiences: list, consumed: int, wall: float,
+                   n_samples_per_prompt: int) -> dict[str, Any]:
+    """:func:`run_openrlhf_rollout`'s stats, from what the recording handles saw."""
+    import ray
+
+    snapshot = [0] * num_engines
     for index, value in zip([i for i, _ in log["snapshot_refs"]], ray.get([r for _, r in log["snapshot_refs"]])):
         snapshot[index] = int(value)
     placements = list(log["placements"])
-    prompts_per_engine = [placements.count(i) for i in range(len(engines))]
+    prompts_per_engine = [placements.count(i) for i in range(num_engines)]
     action_tokens = int(sum(int(e.action_mask.sum()) for e in experiences))
-    stats = {
+    return {
         "wall_s": wall,
         "action_tokens": action_tokens,
         "tokens_per_s": action_tokens / wall if wall > 0 else 0.0,
@@ -358,4 +405,3 @@ def run_openrlhf_rollout(
         "placements": placements,
         "load_snapshot": snapshot,
     }
-    return experiences, stats

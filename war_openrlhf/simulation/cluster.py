@@ -77,28 +77,29 @@ perfect affinity: per turn the block-aligned prefix shared with the trajectory's
 context + response, or for a first turn with its group's first trajectory's first context;
 capped like the engine's hit), load imbalance (max / mean per-engine busy time), turn latency
 p50/p99 (dispatch to last token), decision latency p50/p99 (us), evictions, moves.
+
+Modules: this one holds the configuration, the result, the trajectories prepared for replay and
+:class:`ClusterSimulator`; :mod:`.cluster_events` the event loop, :mod:`.cluster_engine` the
+engines and their KV cache, :mod:`.cluster_accounting` the ledger and the metrics.
 """
 
 from __future__ import annotations
 
-import heapq
-import time
-from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest, make_policy
+from ..dispatch import DispatchPolicy, make_policy
 from ..dispatch.block_index import BLOCK_SIZE, chain_hashes, coarse_chain
+from .cluster_accounting import (ConservationError, Ledger, RunAccounts, oracle_hit_rate, percentile,
+                                 verify_drained)
+from .cluster_engine import SimEngine
+from .cluster_events import EventLoop
 from .cost_model import CostModel, get_preset
 
 __all__ = ["SimConfig", "SimResult", "ConservationError", "Ledger", "ClusterSimulator",
            "simulate", "oracle_hit_rate", "prepare_trajectories", "contention_free_makespan"]
-
-
-class ConservationError(RuntimeError):
-    """A token, turn, request or KV block was lost or counted twice."""
 
 
 @dataclass
@@ -269,364 +270,6 @@ def prepare_trajectories(trajectories) -> List[_Traj]:
     return out
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if len(neq) else n
-
-
-def oracle_hit_rate(trajs: Sequence[_Traj], block_size: int = BLOCK_SIZE) -> Tuple[int, int]:
-    """(oracle cached prompt tokens, prompt tokens): unlimited KV, perfect affinity."""
-    first_ctx: Dict[str, np.ndarray] = {}
-    cached = total = 0
-    for t in trajs:
-        for i in range(t.turns):
-            ctx = t.ctxs[i]
-            n = len(ctx)
-            total += n
-            if i > 0:
-                prev = np.concatenate([t.ctxs[i - 1], t.resp_ids[i - 1]])
-                shared = _common_prefix(ctx, prev)
-            elif t.gid in first_ctx:
-                shared = _common_prefix(ctx, first_ctx[t.gid])
-            else:
-                first_ctx[t.gid] = ctx
-                shared = 0
-            blocks = min(shared // block_size, (n - 1) // block_size)
-            cached += blocks * block_size
-    return cached, total
-
-
-# ---- conservation --------------------------------------------------------------------------
-class Ledger:
-    """Counts generated tokens and finished turns/trajectories; :meth:`verify` checks them."""
-
-    def __init__(self, expected: Dict[Tuple[str, int], int], trajectory_turns: Dict[str, int]):
-        self.expected = dict(expected)  # (trajectory id, turn) -> response tokens
-        self.trajectory_turns = dict(trajectory_turns)
-        self.generated: Dict[Tuple[str, int], int] = {}
-        self.finished_turns: Dict[Tuple[str, int], int] = {}
-        self.finished_trajectories: Dict[str, int] = {}
-
-    def token(self, key: Tuple[str, int]) -> None:
-        n = self.generated.get(key, 0) + 1
-        if n > self.expected.get(key, -1):
-            raise ConservationError(f"turn {key} generated token {n} of "
-                                    f"{self.expected.get(key)} (generated twice / unknown turn)")
-        self.generated[key] = n
-
-    def turn_finished(self, key: Tuple[str, int]) -> None:
-        self.finished_turns[key] = self.finished_turns.get(key, 0) + 1
-        if self.finished_turns[key] > 1:
-            raise ConservationError(f"turn {key} finished twice")
-        if self.generated.get(key, 0) != self.expected.get(key):
-            raise ConservationError(f"turn {key} finished with {self.generated.get(key, 0)} of "
-                                    f"{self.expected.get(key)} response tokens")
-
-    def trajectory_finished(self, tid: str) -> None:
-        self.finished_trajectories[tid] = self.finished_trajectories.get(tid, 0) + 1
-        if self.finished_trajectories[tid] > 1:
-            raise ConservationError(f"trajectory {tid!r} finished twice")
-
-    def verify(self, outstanding_requests: int = 0, pinned_blocks: int = 0) -> None:
-        if outstanding_requests:
-            raise ConservationError(f"{outstanding_requests} requests still queued or running")
-        if pinned_blocks:
-            raise ConservationError(f"{pinned_blocks} KV blocks still pinned after the run")
-        for key, n in self.expected.items():
-            got = self.generated.get(key, 0)
-            if got != n:
-                raise ConservationError(f"turn {key}: {got} of {n} response tokens generated")
-            if self.finished_turns.get(key, 0) != 1:
-                raise ConservationError(f"turn {key} finished {self.finished_turns.get(key, 0)} "
-                                        f"times")
-        for key in self.generated:
-            if key not in self.expected:
-                raise ConservationError(f"tokens generated for unknown turn {key}")
-        for tid in self.trajectory_turns:
-            if self.finished_trajectories.get(tid, 0) != 1:
-                raise ConservationError(f"trajectory {tid!r} finished "
-                                        f"{self.finished_trajectories.get(tid, 0)} times")
-
-
-# ---- engines -------------------------------------------------------------------------------
-class _Req:
-    __slots__ = ("traj", "turn", "key", "ctx_len", "resp_len", "hl", "n_ctx_blocks",
-                 "n_cacheable", "hit", "prefill_left", "computed", "generated", "pinned", "anon",
-                 "next_block", "queued", "t_dispatch", "t_admit", "t_prefilled", "request",
-                 "credit", "batch")
-
-    def __init__(self, traj: _Traj, turn: int, request: TurnRequest, now: float, block_size: int = BLOCK_SIZE) -> None:
-        self.traj = traj
-        self.turn = turn
-        self.key = (traj.tid, turn)
-        self.ctx_len = traj.ctx_lens[turn]
-        self.resp_len = traj.resp_lens[turn]
-        self.hl = traj.hashes(turn, block_size)
-        self.n_ctx_blocks = self.ctx_len // block_size
-        self.n_cacheable = (self.ctx_len - 1) // block_size  # hit cap: last token computed
-        self.hit = 0
-        self.prefill_left = self.ctx_len
-        self.computed = 0
-        self.generated = 0
-        self.pinned: List[int] = []
-        self.anon = 0
-        self.next_block = 0
-        self.queued = 0  # this request's contribution to the engine's queued_tokens
-        self.t_dispatch = now
-        self.t_admit = self.t_prefilled = now  # set when admitted / when its prefill ends
-        self.request = request
-        self.credit = 0.0  # fractional tokens per step under speculation
-        self.batch = 0  # the engine's requests (running + waiting) when this one was queued
-
-
-_RATE_REFIT_STEPS = 64  # computation schedule of the engines' step-cost regression
-
-
-class _Engine:
-    def __init__(self, eid: int, cost: CostModel, spec_tokens: float = 1.0, spec_drafted: float = 0.0) -> None:
-        self.eid = eid
-        self.cost = cost
-        self.spec_tokens = spec_tokens
-        self.spec_drafted = spec_drafted
-        self.bs = cost.block_size
-        self.cap_blocks = cost.kv_capacity_tokens // self.bs
-        self.blocks: Dict[int, int] = {}  # hash -> refcount (0: cached, evictable)
-        self.evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU first
-        self.anon = 0  # pinned blocks without a (shareable) hash
-        self.running: List[_Req] = []
-        self.waiting: deque = deque()
-        self.sched: Optional[List[Tuple[_Req, int]]] = None
-        self.busy_s = 0.0
-        self.queued_tokens = 0
-        self.pending_turns = 0
-        self.evicted = 0
-        # The engine's own step-cost regression (what a real engine measures of its steps):
-        # duration ~ step_s + step_per_seq_s * sequences + prefill_token_s * prefill tokens.
-        # running sums of (1, n, m) x (1, n, m) and x duration, n = sequences, m = prefill
-        # tokens (plain floats: this runs every simulated step)
-        self._sums = [0.0] * 9
-        self._fit_steps = 0
-        self.rates = (0.0, 0.0, 0.0)
-
-    # -- cache ----------------------------------------------------------------------------
-    def match(self, hl: List[int], limit: int) -> int:
-        blocks = self.blocks
-        i = 0
-        while i < limit and hl[i] in blocks:
-            i += 1
-        return i
-
-    def reset_cache(self) -> None:
-        """Empty the prefix cache (a weight sync); only between steps, when nothing is pinned."""
-        if self.pinned_blocks() or self.running or self.waiting:
-            raise ConservationError(f"engine {self.eid}: cache reset with work in flight")
-        self.blocks.clear()
-        self.evictable.clear()
-
-    def pinned_blocks(self) -> int:
-        return len(self.blocks) - len(self.evictable) + self.anon
-
-    def try_admit(self, r: _Req) -> bool:
-        hb = self.match(r.hl, r.n_cacheable)
-        need = -(-(r.ctx_len + r.resp_len) // self.bs)
-        new = need - hb
-        blocks = self.blocks
-        hit_evictable = sum(1 for h in r.hl[:hb] if blocks[h] == 0)
-        if self.pinned_blocks() + hit_evictable + new > self.cap_blocks:
-            return False
-        for h in r.hl[:hb]:
-            c = blocks[h]
-            if c == 0:
-                del self.evictable[h]
-            blocks[h] = c + 1
-        r.pinned = list(r.hl[:hb])
-        r.next_block = hb
-        while len(blocks) + self.anon + new > self.cap_blocks:
-            h, _ = self.evictable.popitem(last=False)
-            del blocks[h]
-            self.evicted += 1
-        self.anon += new
-        r.anon = new
-        r.hit = hb * self.bs
-        r.computed = r.hit
-        r.prefill_left = r.ctx_len - r.hit
-        new_queued = r.prefill_left + r.resp_len
-        self.queued_tokens += new_queued - r.queued
-        r.queued = new_queued
-        return True
-
-    def publish(self, r: _Req, upto: int) -> None:
-        """Blocks [next_block, upto) of r are computed: make them shareable cache entries."""
-        blocks = self.blocks
-        hl = r.hl
-        for i in range(r.next_block, upto):
-            h = hl[i]
-            if h not in blocks:
-                blocks[h] = 1
-                self.anon -= 1
-                r.anon -= 1
-                r.pinned.append(h)
-        if upto > r.next_block:
-            r.next_block = upto
-
-    def release(self, r: _Req) -> None:
-        blocks = self.blocks
-        for h in reversed(r.pinned):  # leaf first: leaves are evicted before ancestors
-            c = blocks[h] - 1
-            blocks[h] = c
-            if c == 0:
-                self.evictable[h] = None
-            elif c < 0:
-                raise ConservationError(f"engine {self.eid}: negative refcount")
-        self.anon -= r.anon
-        r.anon = 0
-        r.pinned = []
-        if self.anon < 0:
-            raise ConservationError(f"engine {self.eid}: negative anonymous block count")
-
-    # -- scheduling -----------------------------------------------------------------------
-    def enqueue(self, r: _Req) -> None:
-        need = -(-(r.ctx_len + r.resp_len) // self.bs)
-        if need > self.cap_blocks:
-            raise ValueError(f"kv_capacity_tokens ({self.cap_blocks * self.bs}) cannot hold "
-                             f"turn {r.key} ({r.ctx_len + r.resp_len} tokens)")
-        est_hit = self.match(r.hl, r.n_cacheable) * self.bs
-        r.queued = r.ctx_len - est_hit + r.resp_len
-        self.queued_tokens += r.queued
-        self.waiting.append(r)
-
-    def plan_step(self, now: float = 0.0) -> float:
-        """Choose this step's work (starting at ``now``); return its duration."""
-        budget = self.cost.max_num_batched_tokens
-        sched: List[Tuple[_Req, int]] = []
-        n_dec = ctx_tokens = prefill = 0
-        pairs = 0.0  # prefill attention: chunk c over what is computed, c * (computed + c / 2)
-        for r in self.running:
-            if budget <= 0:
-                break
-            if r.prefill_left > 0:
-                c = min(r.prefill_left, budget)
-                sched.append((r, c))
-                budget -= c
-                prefill += c
-                pairs += c * (r.computed + c / 2)
-                ctx_tokens += r.computed + c
-            else:
-                sched.append((r, 0))
-                budget -= 1
-                n_dec += 1
-                ctx_tokens += r.computed
-        while (self.waiting and budget > 0
-               and len(self.running) < self.cost.max_num_seqs):
-            r = self.waiting[0]
-            if not self.try_admit(r):
-                break
-            self.waiting.popleft()
-            r.t_admit = now
-            self.running.append(r)
-            c = min(r.prefill_left, budget)
-            sched.append((r, c))
-            budget -= c
-            prefill += c
-            pairs += c * (r.computed + c / 2)
-            ctx_tokens += r.computed + c
-        if not sched:
-            raise ConservationError(f"engine {self.eid}: work queued but nothing schedulable "
-                                    f"(running {len(self.running)}, waiting {len(self.waiting)})")
-        self.sched = sched
-        dur = self.cost.step_time(n_dec, ctx_tokens, prefill, pairs)
-        if n_dec and self.spec_drafted:
-            cost = self.cost
-            drafts = n_dec * self.spec_drafted
-            if cost.spec_step_s or cost.draft_token_s:  # measured costs of drafting steps
-                dur += cost.spec_step_s + cost.draft_token_s * drafts
-            else:  # a verified draft token costs a prefill token's compute
-                dur += cost.prefill_per_token_s * drafts
-        self.busy_s += dur
-        n, m, acc = len(sched), prefill, self._sums
-        acc[0] += 1.0
-        acc[1] += n
-        acc[2] += m
-        acc[3] += n * n
-        acc[4] += n * m
-        acc[5] += m * m
-        acc[6] += dur
-        acc[7] += n * dur
-        acc[8] += m * dur
-        self._fit_steps += 1
-        if self._fit_steps % _RATE_REFIT_STEPS == 0:
-            self._refit()
-        return dur
-
-    def _refit(self) -> None:
-        """Least squares of the recorded steps (a feature that never varied is dropped)."""
-        c, n, m, nn, nm, mm, y, ny, my = self._sums
-        xtx = np.array([[c, n, m], [n, nn, nm], [m, nm, mm]])
-        xty = np.array([y, ny, my])
-        for cols in ((0, 1, 2), (0, 1), (0, 2), (0,)):
-            idx = list(cols)
-            sub = xtx[np.ix_(idx, idx)]
-            if np.linalg.cond(sub) < 1e12:
-                coef = np.linalg.solve(sub, xty[idx])
-                if (coef >= 0).all():
-                    full = np.zeros(3)
-                    full[idx] = coef
-                    self.rates = (float(full[0]), float(full[1]), float(full[2]))
-                    return
-
-    def finish_step(self, ledger: Ledger, now: float = 0.0) -> List[_Req]:
-        done: List[_Req] = []
-        for r, c in self.sched:
-            emit = False
-            if c > 0:
-                r.prefill_left -= c
-                r.computed += c
-                r.queued -= c
-                self.queued_tokens -= c
-                self.publish(r, min(r.computed // self.bs, r.n_ctx_blocks))
-                if r.prefill_left == 0:
-                    r.t_prefilled = now
-                    if r.resp_len > 0:
-                        emit = True
-                    else:
-                        done.append(r)
-            else:
-                emit = True
-            if emit:
-                n = 1
-                if c == 0 and self.spec_tokens > 1.0:  # a decode step with drafts verified
-                    r.credit += self.spec_tokens
-                    n = max(1, min(int(r.credit), r.resp_len - r.generated))
-                    r.credit -= n
-                for _ in range(n):
-                    ledger.token(r.key)
-                r.generated += n
-                r.computed += n
-                r.queued -= n
-                self.queued_tokens -= n
-                if r.generated == r.resp_len:
-                    done.append(r)
-        self.sched = None
-        if done:
-            ids = {id(r) for r in done}
-            self.running = [r for r in self.running if id(r) not in ids]
-            for r in done:
-                # KV exists for every token but the last sampled one.
-                self.publish(r, min((r.ctx_len + r.resp_len - 1) // self.bs, len(r.hl)))
-                self.release(r)
-                if r.queued != 0:
-                    raise ConservationError(f"turn {r.key} finished with {r.queued} queued tokens")
-        return done
-
-    def state(self) -> EngineState:
-        s0, s1, p = self.rates
-        return EngineState(self.eid, len(self.running), len(self.waiting), self.queued_tokens,
-                           self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs,
-                           step_s=s0, step_per_seq_s=s1, prefill_token_s=p,
-                           kv_used_tokens=self.pinned_blocks() * self.bs)
-
-
 # ---- the simulator ---------------------------------------------------------------------------
 def _step_slices(trajs: Sequence[_Traj], steps: int) -> List[List[_Traj]]:
     """Groups in first-appearance order, split into ``steps`` contiguous synchronous steps
@@ -640,34 +283,6 @@ def _step_slices(trajs: Sequence[_Traj], steps: int) -> List[List[_Traj]]:
     return [[t for g in glist[bounds[s]:bounds[s + 1]] for t in g] for s in range(n)]
 
 
-def _critical_path(paths: List[dict], engines: List["_Engine"], busy_at_start: List[float]) -> dict:
-    """The step's critical path: the trajectory that finished last, its time split into
-    admission wait (deferred first turn), tool calls, queueing for a batch slot or KV, prefill
-    and decode, and how busy its last engine was compared with the others in this step. A
-    straggler whose ``queue_s`` or ``prefill_s`` is large lost the step to placement; one
-    whose ``tool_s`` + ``decode_s`` is nearly its whole span was bound by its own length."""
-    last = max(paths, key=lambda p: p["end_s"])
-    busy = [e.busy_s - b for e, b in zip(engines, busy_at_start)]
-    out = dict(last)
-    out.pop("start_s", None)
-    eid = last["engine"]
-    mean_busy = float(np.mean(busy)) if busy else 0.0
-    out["engine_busy_s"] = busy[eid] if 0 <= eid < len(busy) else 0.0
-    out["engine_busy_over_mean"] = out["engine_busy_s"] / mean_busy if mean_busy > 0 else 1.0
-    spans = {k: last[k] for k in ("admission_wait_s", "tool_s", "queue_s", "prefill_s",
-                                  "decode_s")}
-    out["dominant"] = max(spans, key=spans.get)
-    return out
-
-
-
-_STEP, _ARRIVE = 0, 1
-
-
-def _percentile(xs: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else 0.0
-
-
 class ClusterSimulator:
     """``ClusterSimulator(config).run(trajectories, policy, **policy_kwargs) -> SimResult``."""
 
@@ -678,53 +293,24 @@ class ClusterSimulator:
     def run(self, trajectories, policy: Union[str, DispatchPolicy],
             **policy_kwargs) -> SimResult:
         cfg = self.config
-        E = int(cfg.num_engines)
-        if isinstance(policy, DispatchPolicy):
-            if policy.num_engines != E:
-                raise ValueError(f"policy has {policy.num_engines} engines, config {E}")
-            pol = policy
-        else:
-            if not isinstance(policy, str):
-                raise ValueError(f"policy must be a name or a DispatchPolicy, got {policy!r}")
-            try:
-                pol = make_policy(policy, E, **policy_kwargs)
-            except ValueError as exc:
-                raise ValueError(f"policy: {exc}") from exc
+        pol = self._policy(policy, policy_kwargs)
         trajs = (trajectories if trajectories and isinstance(trajectories[0], _Traj)
                  else prepare_trajectories(trajectories))
         rng = np.random.default_rng(cfg.seed)
-        engines = [_Engine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step) for i in range(E)]
+        engines = [SimEngine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step)
+                   for i in range(int(cfg.num_engines))]
         # Common random numbers: tool delay jitter is drawn per (trajectory, turn) up front, in
         # input order, so every policy (and any engine count) replays the same delays.
         jitter = {t.tid: 1.0 + cfg.delay_jitter * (2.0 * rng.random(t.turns) - 1.0)
                   for t in trajs}
         ledger = Ledger({(t.tid, i): t.resp_lens[i] for t in trajs for i in range(t.turns)},
                         {t.tid: t.turns for t in trajs})
-
         step_lists = _step_slices(trajs, cfg.steps)
-        nsteps = len(step_lists)
-
-        decision_s: List[float] = []
-        turn_lat: List[float] = []
-        prompt_tokens = cached_tokens = 0
-        engine_changes = 0
-        deferrals = 0
-        last_engine: Dict[str, int] = {}
-        tokens_so_far: Dict[str, int] = {}
-        step_spans: List[float] = []
-        generated = 0
+        acc = RunAccounts()
+        loop = EventLoop(cfg, engines, pol, ledger, jitter, acc)
         busy_measured: List[float] = []
         evicted_measured = 0
-        paths: Dict[str, dict] = {}
-        critical: List[dict] = []
-        now = 0.0
-        seq = 0
-        perf = time.perf_counter
-
-        for s in range(nsteps):
-            step_trajs = step_lists[s]
-            t0 = now
-            measured = s >= cfg.warmup_steps
+        for s, step_trajs in enumerate(step_lists):
             if s > 0 and cfg.reset_cache_each_step:
                 for e in engines:
                     e.reset_cache()
@@ -732,142 +318,38 @@ class ClusterSimulator:
             if s == cfg.warmup_steps:
                 busy_measured = [e.busy_s for e in engines]
                 evicted_measured = sum(e.evicted for e in engines)
-            busy_at_start = [e.busy_s for e in engines]
-            pol.start_batch()
-            heap: List[tuple] = []
-            for t in step_trajs:
-                heap.append((t0, seq, _ARRIVE, t, 0))
-                seq += 1
-                tokens_so_far[t.tid] = 0
-                paths[t.tid] = {"trajectory": t.tid, "turns": t.turns, "engine": -1,
-                                "start_s": None, "end_s": 0.0, "admission_wait_s": 0.0,
-                                "tool_s": 0.0, "queue_s": 0.0, "prefill_s": 0.0,
-                                "decode_s": 0.0, "prefill_tokens": 0}
-            heapq.heapify(heap)
-            live = len(step_trajs)
-            deferred: deque = deque()  # first turns the policy deferred (FIFO)
-
-            def dispatch(traj: _Traj, turn: int, now: float) -> bool:
-                """One choose() call; False if the policy deferred the turn."""
-                nonlocal seq, engine_changes, deferrals
-                prev = last_engine.get(traj.tid)
-                req = TurnRequest(traj.tid, traj.gid, traj.ctxs[turn], turn,
-                                  tokens_so_far[traj.tid], arrival_s=now)
-                states = [e.state() for e in engines]
-                c0 = perf()
-                eid = pol.choose(req, states)
-                if measured:
-                    decision_s.append(perf() - c0)
-                if eid == DEFER:
-                    if turn != 0:
-                        raise ConservationError(f"policy deferred turn {turn} of {traj.tid!r}: "
-                                                f"only first turns may be deferred")
-                    if measured:
-                        deferrals += 1
-                    return False
-                if not (isinstance(eid, (int, np.integer)) and 0 <= eid < E):
-                    raise ConservationError(f"policy returned engine {eid!r}")
-                eid = int(eid)
-                if turn > 0 and eid != prev and measured:
-                    engine_changes += 1
-                eng = engines[eid]
-                if turn == 0:
-                    paths[traj.tid]["admission_wait_s"] = now - t0
-                r = _Req(traj, turn, req, now, eng.bs)
-                r.batch = len(eng.running) + len(eng.waiting)
-                eng.enqueue(r)
-                if eng.sched is None:
-                    dur = eng.plan_step(now)
-                    heapq.heappush(heap, (now + dur, seq, _STEP, eid, 0))
-                    seq += 1
-                return True
-
-            while heap:
-                now, _, kind, a, b = heapq.heappop(heap)
-                if kind == _ARRIVE:
-                    traj, turn = a, b
-                    if turn > 0:
-                        engines[last_engine[traj.tid]].pending_turns -= 1
-                    if deferred and turn == 0:  # FIFO among first turns
-                        deferred.append(traj)
-                    elif not dispatch(traj, turn, now):
-                        deferred.append(traj)
-                else:
-                    eng = engines[a]
-                    finished_any = False
-                    for r in eng.finish_step(ledger, now):
-                        finished_any = True
-                        if measured:
-                            prompt_tokens += r.ctx_len
-                            cached_tokens += r.hit
-                            generated += r.resp_len
-                            turn_lat.append(now - r.t_dispatch)
-                        ledger.turn_finished(r.key)
-                        traj = r.traj
-                        acc = paths[traj.tid]
-                        acc["queue_s"] += r.t_admit - r.t_dispatch
-                        acc["prefill_s"] += r.t_prefilled - r.t_admit
-                        acc["decode_s"] += now - r.t_prefilled
-                        acc["prefill_tokens"] += r.ctx_len - r.hit
-                        acc["engine"] = eng.eid
-                        pol.on_turn_finished(r.request, eng.eid, traj.resp_ids[r.turn])
-                        pol.observe_turn(eng.eid, prompt_tokens=r.ctx_len, cached_tokens=r.hit,
-                                         response_tokens=r.resp_len,
-                                         latency_s=now - r.t_dispatch, batch=r.batch,
-                                         trajectory_id=traj.tid)
-                        last_engine[traj.tid] = eng.eid
-                        tokens_so_far[traj.tid] += r.resp_len
-                        if r.turn + 1 < traj.turns:
-                            eng.pending_turns += 1
-                            if traj.delays is not None:
-                                delay = traj.delays[r.turn]
-                            else:
-                                delay = ((cfg.tool_delay_s + cfg.per_env_token_s * traj.env[r.turn])
-                                         * jitter[traj.tid][r.turn])
-                            acc["tool_s"] += delay
-                            heapq.heappush(heap, (now + delay, seq, _ARRIVE, traj, r.turn + 1))
-                            seq += 1
-                        else:
-                            acc["end_s"] = now - t0
-                            ledger.trajectory_finished(traj.tid)
-                            pol.on_trajectory_finished(traj.tid)
-                            live -= 1
-                    if eng.running or eng.waiting:
-                        dur = eng.plan_step(now)
-                        heapq.heappush(heap, (now + dur, seq, _STEP, eng.eid, 0))
-                        seq += 1
-                    while finished_any and deferred:
-                        if not dispatch(deferred[0], 0, now):
-                            break
-                        deferred.popleft()
-                if not heap and deferred:
-                    raise ConservationError(f"step {s}: {len(deferred)} deferred trajectories "
-                                            f"never admitted (policy deferred with no live work)")
-            if live != 0:
-                raise ConservationError(f"step {s}: {live} trajectories never finished")
-            step_spans.append(now - t0)
-            if measured:
-                critical.append(_critical_path([paths[t.tid] for t in step_trajs], engines,
-                                           busy_at_start))
-
-        outstanding = sum(len(e.running) + len(e.waiting) for e in engines)
-        pinned = sum(e.pinned_blocks() for e in engines)
-        ledger.verify(outstanding, pinned)
-        for e in engines:
-            if e.queued_tokens != 0 or e.pending_turns != 0:
-                raise ConservationError(f"engine {e.eid}: queued_tokens {e.queued_tokens}, "
-                                        f"pending_turns {e.pending_turns} after the run")
-
-        makespan = float(sum(step_spans[cfg.warmup_steps:]))
-        busy = [e.busy_s - b for e, b in zip(engines, busy_measured)]
-        mean_busy = float(np.mean(busy))
+            loop.run_step(s, step_trajs, measured=s >= cfg.warmup_steps)
+        verify_drained(ledger, engines)
         measured_trajs = [t for step in step_lists[cfg.warmup_steps:] for t in step]
+        busy = [e.busy_s - b for e, b in zip(engines, busy_measured)]
+        evicted = int(sum(e.evicted for e in engines) - evicted_measured)
+        return self._result(getattr(pol, "name", type(pol).__name__), acc, measured_trajs, busy, evicted)
+
+    def _policy(self, policy: Union[str, DispatchPolicy], policy_kwargs: dict) -> DispatchPolicy:
+        E = int(self.config.num_engines)
+        if isinstance(policy, DispatchPolicy):
+            if policy.num_engines != E:
+                raise ValueError(f"policy has {policy.num_engines} engines, config {E}")
+            return policy
+        if not isinstance(policy, str):
+            raise ValueError(f"policy must be a name or a DispatchPolicy, got {policy!r}")
+        try:
+            return make_policy(policy, E, **policy_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"policy: {exc}") from exc
+
+    def _result(self, name: str, acc: RunAccounts, measured_trajs: List[_Traj], busy: List[float],
+                evicted: int) -> SimResult:
+        warmup = self.config.warmup_steps
+        makespan = float(sum(acc.step_spans[warmup:]))
+        mean_busy = float(np.mean(busy))
         o_cached, o_total = oracle_hit_rate(measured_trajs, self.cost.block_size)
+        prompt_tokens, cached_tokens, generated = acc.prompt_tokens, acc.cached_tokens, acc.generated
         return SimResult(
-            policy=getattr(pol, "name", type(pol).__name__),
-            num_engines=E,
+            policy=name,
+            num_engines=int(self.config.num_engines),
             trajectories=len(measured_trajs),
-            turns=len(turn_lat),
+            turns=len(acc.turn_latency_s),
             makespan_s=makespan,
             generated_tokens=generated,
             throughput_tok_s=generated / makespan if makespan > 0 else 0.0,
@@ -876,16 +358,16 @@ class ClusterSimulator:
             hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             oracle_hit_rate=o_cached / o_total if o_total else 0.0,
             load_imbalance=float(max(busy) / mean_busy) if mean_busy > 0 else 1.0,
-            turn_latency_p50_s=_percentile(turn_lat, 50),
-            turn_latency_p99_s=_percentile(turn_lat, 99),
-            decision_p50_us=_percentile(decision_s, 50) * 1e6,
-            decision_p99_us=_percentile(decision_s, 99) * 1e6,
-            evicted_blocks=int(sum(e.evicted for e in engines) - evicted_measured),
-            engine_changes=engine_changes,
-            deferrals=deferrals,
+            turn_latency_p50_s=percentile(acc.turn_latency_s, 50),
+            turn_latency_p99_s=percentile(acc.turn_latency_s, 99),
+            decision_p50_us=percentile(acc.decision_s, 50) * 1e6,
+            decision_p99_us=percentile(acc.decision_s, 99) * 1e6,
+            evicted_blocks=evicted,
+            engine_changes=acc.engine_changes,
+            deferrals=acc.deferrals,
             busy_s=busy,
-            step_makespans_s=step_spans[cfg.warmup_steps:],
-            critical_paths=critical,
+            step_makespans_s=acc.step_spans[warmup:],
+            critical_paths=acc.critical,
         )
 
 

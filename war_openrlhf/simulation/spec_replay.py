@@ -112,6 +112,71 @@ class _Live:
     req: TurnRequest | None = None
 
 
+def _propose(decoding: list[_Live], proposer: Proposer, step: int, k: int, result: ReplayResult) -> list:
+    """Drafts for the whole batch, from the state at the start of the step (a turn's first
+    step is its prefill, which samples its first token: no draft)."""
+    drafts = []
+    t0 = time.perf_counter()
+    for lv in decoding:
+        turn = lv.traj.turns[lv.turn]
+        if lv.req is None:
+            lv.req = TurnRequest(
+                request_id=f"s{step}/{lv.traj.trajectory_id}/turn{lv.turn}",
+                engine=lv.engine,
+                trajectory_id=lv.traj.trajectory_id,
+                group_id=lv.traj.group_id,
+                prompt_token_ids=turn.context_token_ids,
+            )
+            proposer.start(lv.req)
+            drafts.append([])  # the prefill step samples the first token
+            continue
+        context = np.concatenate([turn.context_token_ids, turn.response_token_ids[: lv.pos]])
+        drafts.append(proposer.propose(lv.req, context, k))
+    result.propose_seconds += time.perf_counter() - t0
+    return drafts
+
+
+def _verify(decoding: list[_Live], drafts: list, proposer: Proposer, result: ReplayResult, bar) -> list[_Live]:
+    """Each draft checked against the recorded response; returns the requests whose turn ended."""
+    finished = []
+    for lv, draft in zip(decoding, drafts):
+        resp = lv.traj.turns[lv.turn].response_token_ids
+        remaining = int(resp.size) - lv.pos
+        accepted = 0
+        for tok in draft[:remaining]:
+            if tok != resp[lv.pos + accepted]:
+                break
+            accepted += 1
+        emitted = min(accepted + 1, remaining)
+        result.draft_tokens += len(draft)
+        result.accepted_tokens += min(accepted, remaining)
+        result.generated_tokens += emitted
+        result.verification_steps += 1
+        bar.update(emitted)
+        new = resp[lv.pos : lv.pos + emitted]
+        lv.pos += emitted
+        t0 = time.perf_counter()
+        proposer.observe(lv.req, new)
+        result.propose_seconds += time.perf_counter() - t0
+        if lv.pos >= resp.size:
+            finished.append(lv)
+    return finished
+
+
+def _finish_turns(finished: list[_Live], proposer: Proposer, step: int, tick: int, config: ReplayConfig,
+                  result: ReplayResult) -> None:
+    """Finished turns enter the index; the environment answers later."""
+    for lv in finished:
+        turn = lv.traj.turns[lv.turn]
+        proposer.finish(lv.req, turn.response_token_ids, policy_version=step)
+        result.turns += 1
+        lv.turn += 1
+        lv.pos = 0
+        lv.req = None
+        delay = config.tool_delay_ticks + int(config.tool_delay_ticks_per_env_token * turn.env_token_count)
+        lv.ready_at = tick + 1 + delay
+
+
 def replay(
     groups: dict[str, list[TokenizedTrajectory]],
     proposer: Proposer,
@@ -135,58 +200,9 @@ def replay(
         step_start = tick
         while live:
             decoding = [lv for lv in live if lv.ready_at <= tick]
-            # 1) drafts for the whole batch, from the state at the start of the step
-            drafts = []
-            t0 = time.perf_counter()
-            for lv in decoding:
-                turn = lv.traj.turns[lv.turn]
-                if lv.req is None:
-                    lv.req = TurnRequest(
-                        request_id=f"s{step}/{lv.traj.trajectory_id}/turn{lv.turn}",
-                        engine=lv.engine,
-                        trajectory_id=lv.traj.trajectory_id,
-                        group_id=lv.traj.group_id,
-                        prompt_token_ids=turn.context_token_ids,
-                    )
-                    proposer.start(lv.req)
-                    drafts.append([])  # the prefill step samples the first token
-                    continue
-                context = np.concatenate([turn.context_token_ids, turn.response_token_ids[: lv.pos]])
-                drafts.append(proposer.propose(lv.req, context, config.k))
-            result.propose_seconds += time.perf_counter() - t0
-            # 2) verification against the recorded response
-            finished = []
-            for lv, draft in zip(decoding, drafts):
-                resp = lv.traj.turns[lv.turn].response_token_ids
-                remaining = int(resp.size) - lv.pos
-                accepted = 0
-                for tok in draft[:remaining]:
-                    if tok != resp[lv.pos + accepted]:
-                        break
-                    accepted += 1
-                emitted = min(accepted + 1, remaining)
-                result.draft_tokens += len(draft)
-                result.accepted_tokens += min(accepted, remaining)
-                result.generated_tokens += emitted
-                result.verification_steps += 1
-                bar.update(emitted)
-                new = resp[lv.pos : lv.pos + emitted]
-                lv.pos += emitted
-                t0 = time.perf_counter()
-                proposer.observe(lv.req, new)
-                result.propose_seconds += time.perf_counter() - t0
-                if lv.pos >= resp.size:
-                    finished.append(lv)
-            # 3) finished turns enter the index; the environment answers later
-            for lv in finished:
-                turn = lv.traj.turns[lv.turn]
-                proposer.finish(lv.req, turn.response_token_ids, policy_version=step)
-                result.turns += 1
-                lv.turn += 1
-                lv.pos = 0
-                lv.req = None
-                delay = config.tool_delay_ticks + int(config.tool_delay_ticks_per_env_token * turn.env_token_count)
-                lv.ready_at = tick + 1 + delay
+            drafts = _propose(decoding, proposer, step, config.k, result)
+            finished = _verify(decoding, drafts, proposer, result, bar)
+            _finish_turns(finished, proposer, step, tick, config, result)
             live = [lv for lv in live if lv.turn < len(lv.traj.turns)]
             tick += 1
         result.per_step_ticks.append(tick - step_start)
