@@ -114,6 +114,8 @@ def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_p
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The demo's five stages in order; one function over 80 lines on purpose: it reads as the
+    README lists the stages, each a call of its own."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(config_path("cpu_demo")))
     ap.add_argument("--out", default=str(ROOT / "runs" / "cpu_demo"),

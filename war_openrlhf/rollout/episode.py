@@ -144,26 +144,9 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                              limiter)
     if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
         raise AgentContractError(f"{where}reset() must return a dict with a str 'observation'")
-    observation_text = reset["observation"]
-    tokens = _encode(tokenizer, observation_text)
-    # room for one turn, as OpenRLHF's executor leaves it (its max_new_tokens, or 1 token when the
-    # context alone bounds a turn)
-    reserve = cfg.max_new_tokens_per_turn if cfg.max_new_tokens_per_turn is not None else 1
-    room = cfg.max_context_tokens - min(reserve, cfg.max_context_tokens - 1)
-    if len(tokens) > room:
-        if cfg.prompt_overflow == "end":
-            traj.token_ids, traj.action_mask, traj.logprobs = list(tokens), [0] * len(tokens), [0.0] * len(tokens)
-            traj.end_reason = "prompt_too_long"
-            traj.error = (f"prompt has {len(tokens)} tokens; max_context_tokens {cfg.max_context_tokens} leaves "
-                          f"{room} after one turn of max_new_tokens_per_turn")
-            return
-        # OpenRLHF's MultiTurnAgentExecutor: keep the last tokens, leave room for one turn
-        traj.extra_logs["prompt_truncated_tokens"] = float(len(tokens) - room)
-        tokens = tokens[-room:]
-        observation_text = tokenizer.decode(tokens, skip_special_tokens=False)
-    traj.token_ids = list(tokens)
-    traj.action_mask = [0] * len(tokens)
-    traj.logprobs = [0.0] * len(tokens)
+    observation_text = _start_context(tokenizer, cfg, traj, reset["observation"])
+    if observation_text is None:
+        return
     sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p}
     limits = turn_limits(reset.get("sampling_params"), "reset()")  # the environment may bound a turn
     generated = 0
@@ -172,15 +155,7 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         if budget <= 0:
             traj.end_reason = "max_context"
             return
-        params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget, limits.get("max_tokens", budget)),
-                      logprobs=0)
-        if "min_tokens" in limits:
-            params["min_tokens"] = min(limits["min_tokens"], params["max_tokens"])
-        if "ignore_eos" in limits:
-            params["ignore_eos"] = limits["ignore_eos"]
-        seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
-        if seed is not None:
-            params["seed"] = seed
+        params = _turn_params(cfg, traj, sampling, limits, turn, budget)
         dispatched = time.perf_counter()
         try:
             out = await service.generate_turn(traj.trajectory_id, traj.group_id, traj.token_ids, params,
@@ -189,51 +164,16 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
             traj.end_reason = "engine_error"
             traj.error = f"turn {turn}: {type(exc).__name__}: {exc}"
             return
-        action = list(out.token_ids)
-        lps = list(out.logprobs) if out.logprobs else [0.0] * len(action)
-        if len(lps) != len(action) or len(action) > params["max_tokens"]:
-            traj.end_reason = "engine_error"  # an engine outside its contract: never a sample
-            traj.error = (f"turn {turn}: engine {out.engine} returned {len(action)} tokens and {len(lps)} "
-                          f"logprobs for max_tokens {params['max_tokens']}")
+        rec = _append_turn(traj, out, params, turn, dispatched - t0, time.perf_counter() - dispatched)
+        if rec is None:
             return
-        begin = len(traj.token_ids)
-        traj.token_ids.extend(action)
-        traj.action_mask.extend([1] * len(action))
-        traj.logprobs.extend(float(x) for x in lps)
-        generated += len(action)
-        rec = TurnRecord(index=turn, engine=out.engine, start=begin, end=len(traj.token_ids),
-                         prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
-                         finish_reason=str(out.finish_reason), dispatched_s=dispatched - t0,
-                         generate_s=time.perf_counter() - dispatched, attempts=out.attempts,
-                         policy_versions=out.weight_versions, estimated_cached_tokens=out.estimated_cached_tokens,
-                         queue_s=out.queue_s, prefill_s=out.prefill_s)
-        traj.turns.append(rec)
-        traj.truncated = out.finish_reason == "length"
-
-        action_text = tokenizer.decode(action, skip_special_tokens=False)
+        generated += rec.end - rec.start
+        action_text = tokenizer.decode(traj.token_ids[rec.start:rec.end], skip_special_tokens=False)
         states = {"observation_text": observation_text, "action_text": action_text, "label": traj.label,
                   "sampling_params": params}
-        service.park(traj.trajectory_id, rec.engine)
-        t_tool = time.perf_counter()
-        try:
-            raw = await agent.call(instance.step(states), cfg.tool_timeout_s, limiter)
-        except Exception as exc:
-            msg = (f"tool timed out after {cfg.tool_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError)
-                   else f"{type(exc).__name__}: {exc}")
-            rec.tool_error = msg
-            traj.extra_logs["tool_errors"] = traj.extra_logs.get("tool_errors", 0.0) + 1.0
-            if cfg.on_tool_error == "end":
-                rec.tool_s = time.perf_counter() - t_tool
-                traj.reward, traj.score = 0.0, 0.0
-                traj.end_reason, traj.error = "tool_error", msg
-                return
-            raw = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
-                   "done": False, "sampling_params": None, "extra_logs": {}}
-        finally:
-            service.unpark(traj.trajectory_id)
-        step = check_step_result(raw, f"{where}step()")  # the agent's contract: its error if broken
-        rec.tool_s = time.perf_counter() - t_tool
-
+        step = await _tool_step(service, agent, instance, states, cfg, traj, rec, limiter, where)
+        if step is None:
+            return
         traj.reward += step["rewards"]
         traj.score = step["scores"] if step["scores"] is not None else traj.reward
         traj.extra_logs.update(step["extra_logs"])
@@ -253,3 +193,95 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         traj.action_mask.extend([0] * len(feedback))
         traj.logprobs.extend([0.0] * len(feedback))
     traj.end_reason = "max_turns"
+
+
+def _start_context(tokenizer, cfg: RolloutConfig, traj: Trajectory, observation_text: str) -> str | None:
+    """The first observation as the trajectory's context, with room for one turn (as OpenRLHF's
+    executor leaves it: its max_new_tokens, or 1 token when the context alone bounds a turn).
+    Returns the observation text the agent sees, or None when the episode ends here."""
+    tokens = _encode(tokenizer, observation_text)
+    reserve = cfg.max_new_tokens_per_turn if cfg.max_new_tokens_per_turn is not None else 1
+    room = cfg.max_context_tokens - min(reserve, cfg.max_context_tokens - 1)
+    if len(tokens) > room:
+        if cfg.prompt_overflow == "end":
+            traj.token_ids, traj.action_mask, traj.logprobs = list(tokens), [0] * len(tokens), [0.0] * len(tokens)
+            traj.end_reason = "prompt_too_long"
+            traj.error = (f"prompt has {len(tokens)} tokens; max_context_tokens {cfg.max_context_tokens} leaves "
+                          f"{room} after one turn of max_new_tokens_per_turn")
+            return None
+        # OpenRLHF's MultiTurnAgentExecutor: keep the last tokens, leave room for one turn
+        traj.extra_logs["prompt_truncated_tokens"] = float(len(tokens) - room)
+        tokens = tokens[-room:]
+        observation_text = tokenizer.decode(tokens, skip_special_tokens=False)
+    traj.token_ids = list(tokens)
+    traj.action_mask = [0] * len(tokens)
+    traj.logprobs = [0.0] * len(tokens)
+    return observation_text
+
+
+def _turn_params(cfg: RolloutConfig, traj: Trajectory, sampling: dict[str, Any], limits: dict[str, Any],
+                 turn: int, budget: int) -> dict[str, Any]:
+    """One turn's sampling parameters: the episode's sampling, the environment's limits, the budget."""
+    params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget, limits.get("max_tokens", budget)), logprobs=0)
+    if "min_tokens" in limits:
+        params["min_tokens"] = min(limits["min_tokens"], params["max_tokens"])
+    if "ignore_eos" in limits:
+        params["ignore_eos"] = limits["ignore_eos"]
+    seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
+    if seed is not None:
+        params["seed"] = seed
+    return params
+
+
+def _append_turn(traj: Trajectory, out: TurnResult, params: dict[str, Any], turn: int, dispatched_s: float,
+                 generate_s: float) -> TurnRecord | None:
+    """Append a turn's tokens and log-probs to the trajectory; None (episode ended) when the engine
+    answered outside its contract: such a turn is never a sample."""
+    action = list(out.token_ids)
+    lps = list(out.logprobs) if out.logprobs else [0.0] * len(action)
+    if len(lps) != len(action) or len(action) > params["max_tokens"]:
+        traj.end_reason = "engine_error"
+        traj.error = (f"turn {turn}: engine {out.engine} returned {len(action)} tokens and {len(lps)} "
+                      f"logprobs for max_tokens {params['max_tokens']}")
+        return None
+    begin = len(traj.token_ids)
+    traj.token_ids.extend(action)
+    traj.action_mask.extend([1] * len(action))
+    traj.logprobs.extend(float(x) for x in lps)
+    rec = TurnRecord(index=turn, engine=out.engine, start=begin, end=len(traj.token_ids),
+                     prompt_tokens=out.num_prompt_tokens, cached_tokens=out.num_cached_tokens,
+                     finish_reason=str(out.finish_reason), dispatched_s=dispatched_s, generate_s=generate_s,
+                     attempts=out.attempts, policy_versions=out.weight_versions,
+                     estimated_cached_tokens=out.estimated_cached_tokens, queue_s=out.queue_s, prefill_s=out.prefill_s)
+    traj.turns.append(rec)
+    traj.truncated = out.finish_reason == "length"
+    return rec
+
+
+async def _tool_step(service: TurnService, agent: "AgentThread", instance: Any, states: dict[str, Any],
+                     cfg: RolloutConfig, traj: Trajectory, rec: TurnRecord, limiter: asyncio.Semaphore | None,
+                     where: str) -> dict[str, Any] | None:
+    """The environment's step after a turn, the trajectory parked on its engine meanwhile. A failing
+    or slow tool ends the episode (``on_tool_error: end``: returns None) or is observed as an error
+    text; a broken step result raises the agent's contract error."""
+    service.park(traj.trajectory_id, rec.engine)
+    t_tool = time.perf_counter()
+    try:
+        raw = await agent.call(instance.step(states), cfg.tool_timeout_s, limiter)
+    except Exception as exc:
+        msg = (f"tool timed out after {cfg.tool_timeout_s:g} s" if isinstance(exc, asyncio.TimeoutError)
+               else f"{type(exc).__name__}: {exc}")
+        rec.tool_error = msg
+        traj.extra_logs["tool_errors"] = traj.extra_logs.get("tool_errors", 0.0) + 1.0
+        if cfg.on_tool_error == "end":
+            rec.tool_s = time.perf_counter() - t_tool
+            traj.reward, traj.score = 0.0, 0.0
+            traj.end_reason, traj.error = "tool_error", msg
+            return None
+        raw = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
+               "done": False, "sampling_params": None, "extra_logs": {}}
+    finally:
+        service.unpark(traj.trajectory_id)
+    step = check_step_result(raw, f"{where}step()")  # the agent's contract: its error if broken
+    rec.tool_s = time.perf_counter() - t_tool
+    return step

@@ -63,6 +63,28 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     if est and all(e is not None for e in est):
         prompt = [r.start for t in result.trajectories for r in t.turns[:1]]
         m["war/prefix_hit_rate_dispatcher_first_turn"] = sum(est) / max(sum(prompt), 1)
+    _speculation_metrics(before, after, m)
+    _turn_metrics(result, m)
+    for i, n in enumerate(result.engine_turns):
+        m[f"war/engine{i}_turns"] = float(n)
+    for i, s in enumerate(after):
+        m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
+    m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
+    m["war/engines_healthy"] = float(sum(e.healthy for e in pool.engines))
+    m["war/engines_recovered"] = float(getattr(result, "engines_recovered", 0))
+    m["war/index_sync_lag_records"] = float(sum(s.sync_lag_records for s in after))
+    _index_metrics(after, m)
+    # what the dispatcher measured and decided (war: moves, deferrals, prefix reuse lost,
+    # fitted rates), so a user sees why it placed turns where it did
+    for k, v in pool.policy.metrics().items():
+        if k in _CUMULATIVE_DISPATCH and policy_before is not None:
+            v = v - policy_before.get(k, 0.0)
+        m[f"war/dispatch_{k}"] = float(v)
+    return m
+
+
+def _speculation_metrics(before: list[EngineStats], after: list[EngineStats], m: dict[str, float]) -> None:
+    """Drafts, acceptance and the switch's decisions over the batch (engine counters differenced)."""
     tot = {k: 0.0 for k in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "generation_tokens",
                             "steps")}
     for i, (b, a) in enumerate(zip(before, after)):
@@ -94,6 +116,10 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
                 m[f"war/engine{i}_switch_expected_gain"] = float(sw_a["expected_gain"])
             m[f"war/engine{i}_switch_decisions"] = float(int(sw_a.get("decisions", 0)) - int(sw_b.get("decisions", 0)))
     m["war/speculating_fraction"] = spec_steps / steps if steps else 0.0
+
+
+def _turn_metrics(result, m: dict[str, float]) -> None:
+    """Where a turn's time went."""
     # where a turn's time went, per turn: waiting for an engine slot (dispatch to first
     # token is inside generate), generating, and in the environment
     turns = [r for t in result.trajectories for r in t.turns]
@@ -106,37 +132,26 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
             m["war/turn_queue_s_mean"] = float(np.mean(queued))
             m["war/turn_queue_s_max"] = float(np.max(queued))
             m["war/turn_prefill_s_mean"] = float(np.mean([r.prefill_s for r in turns if r.prefill_s is not None] or [0.0]))
-    for i, n in enumerate(result.engine_turns):
-        m[f"war/engine{i}_turns"] = float(n)
-    for i, s in enumerate(after):
-        m[f"war/engine{i}_kv_usage"] = s.kv_cache_usage
-    m["war/index_sync_errors"] = float(sum(e.sync_errors for e in pool.engines))
-    m["war/engines_healthy"] = float(sum(e.healthy for e in pool.engines))
-    m["war/engines_recovered"] = float(getattr(result, "engines_recovered", 0))
-    m["war/index_sync_lag_records"] = float(sum(s.sync_lag_records for s in after))
-    index = [(s.war.get("index") or {}) for s in after]
+
+
+def _index_metrics(after: list[EngineStats], m: dict[str, float]) -> None:
+    """The replicas' size, and what drafting costs each engine step."""
+    index = [(st.war.get("index") or {}) for st in after]
     for key, name in (("records", "index_records"), ("indexed_tokens", "index_tokens"),
                       ("records_evicted", "index_records_evicted")):
         vals = [ix.get(key) for ix in index if isinstance(ix.get(key), (int, float))]
         if vals:
             m[f"war/{name}"] = float(max(vals))  # replicas agree; the largest is the furthest along
-    # what the dispatcher measured and decided (war: moves, deferrals, prefix reuse lost,
-    # fitted rates), so a user sees why it placed turns where it did
-    for k, v in pool.policy.metrics().items():
-        if k in _CUMULATIVE_DISPATCH and policy_before is not None:
-            v = v - policy_before.get(k, 0.0)
-        m[f"war/dispatch_{k}"] = float(v)
     # what drafting costs each engine step (the replica's step trace): the budget a user tunes
     # with the index's apply_budget_ms / max_spec_factor, and the log backlog it leaves
-    traces = [s.war.get("step_trace") or {} for s in after]
+    traces = [st.war.get("step_trace") or {} for st in after]
     p50 = [t["drafter_us"]["p50"] for t in traces if t.get("steps")]
     if p50:
         m["war/drafter_step_us_p50"] = float(max(p50))
         m["war/drafter_step_us_p99"] = float(max(t["drafter_us"]["p99"] for t in traces if t.get("steps")))
-    pending = [(s.war.get("index") or {}).get("pending_entries") for s in after]
+    pending = [(st.war.get("index") or {}).get("pending_entries") for st in after]
     if any(p is not None for p in pending):
         m["war/index_pending_entries"] = float(sum(p or 0 for p in pending))
-    return m
 
 
 class RolloutFailed(RuntimeError):
