@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -340,3 +341,299 @@ def test_a_degenerate_fit_never_makes_batching_free():
     sts = states([6, 0], rates=(0.02, 0.0, 0.0))  # engine 0 busy, the fit says batching is free
     assert pol.choose(req("a", np.arange(100)), sts) == 1
     assert pol.last_scores[0] > pol.last_scores[1]
+
+
+# ---------------------------------------------------------------- each documented cost term
+# One test per term of the cost in war.py's docstring, on small hand-built states: each
+# computes what the documented term says and fails when that term is dropped or altered.
+
+def engine(i, running=0, waiting=0, pending=0, cap=1 << 20, kv_used=0, rates=RATES, bs=16):
+    s0, s1, p = rates
+    return EngineState(i, running, waiting, 0, cap, pending, True, bs, step_s=s0,
+                       step_per_seq_s=s1, prefill_token_s=p, kv_used_tokens=kv_used)
+
+
+def documented_cost(pol, n, sts, *, cached=None, k=0, p=None, s1=None):
+    """war.py's documented cost of a turn of ``n`` context tokens, per engine, with every
+    quantity derived here from its definition: the progress weight from the finished turn
+    counts, R as the conditional mean of the turns left, the wait as the larger of the
+    Little's-law queue wait and the KV-shortfall wait, s1 floored at p."""
+    cached = cached or {}
+    done = pol._finished_turns
+    w = 1.0 + (min(k / (sum(done) / len(done)), 1.0) if done else 0.0)
+    longer = [t - k for t in done if t > k]
+    R = sum(longer) / len(longer) if longer else 1.0
+    p = sts[0].prefill_token_s if p is None else p
+    s1 = sts[0].step_per_seq_s if s1 is None else s1
+    s1 = max(s1, p)
+    r, lat = pol.costs.mean_response, pol.costs.mean_latency
+    out = {}
+    for e in sts:
+        u = n - cached.get(e.engine_id, 0)
+        b = e.running + e.waiting + e.pending_turns
+        wait = e.waiting * lat / (e.running + 1) if e.waiting else 0.0
+        short = e.kv_used_tokens + u + r - e.kv_capacity_tokens
+        if short > 0 and e.kv_used_tokens:
+            wait = max(wait, lat * short / e.kv_used_tokens)
+        own = wait + p * u + R * r * s1 * (b + 1)
+        out[e.engine_id] = w * own + e.running * p * u + R * b * r * s1
+    return out
+
+
+def _live_trajectory(pol, tid, k, engine_id=0, size=500):
+    """Trajectory ``tid`` with ``k`` turns done on ``engine_id``; returns its next context."""
+    ctx = np.arange(size, dtype=np.int32) + 7_000_007
+    pol.on_turn_finished(req(tid, ctx, turn=k - 1), engine_id, np.arange(50))
+    return toks(ctx, np.arange(50), np.arange(100) + 9_000_007)
+
+
+def _assert_scores(pol, want):
+    assert pol.last_scores.keys() == want.keys()
+    for e, v in want.items():
+        assert pol.last_scores[e] == pytest.approx(v, rel=1e-12), e
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_cost_progress_weight_is_one_plus_turns_done_over_mean_turns(k):
+    """``w = 1 + progress``, progress = turns done / mean turns of finished trajectories,
+    capped at 1: finished trajectories of 2 and 6 turns (mean 4) weigh a trajectory's own
+    time by 1.25, 1.5, 1.75 and (capped) 2."""
+    pol = make_policy("war", 3, admission=False)
+    _finish(pol, "f0", 2)
+    _finish(pol, "f1", 6)
+    pol.costs.observe(0, 100, 1, 2.0)
+    nxt = _live_trajectory(pol, "t", k)
+    pol.on_prefix_cache_reset()  # every engine prefills the whole context
+    sts = [engine(0, running=3), engine(1, waiting=2, pending=1), engine(2, running=1, pending=4)]
+    pol.choose(req("t", nxt, turn=k), sts)
+    _assert_scores(pol, documented_cost(pol, len(nxt), sts, k=k))
+
+
+def test_cost_progress_weight_sends_a_later_trajectory_where_its_own_turn_ends_soonest():
+    """Engine 0 runs a batch (a prefill there delays 8 requests), engine 1 has a short queue
+    (the turn waits). Finished trajectories of 1 and 3 turns give a new trajectory and one
+    with a turn done the same expected turns left (2), so only the progress weight differs:
+    the new one (w = 1) spares the batch, the one halfway (w = 1.5) is likelier the step's
+    straggler and skips the queue."""
+    pol = make_policy("war", 2, admission=False)
+    _finish(pol, "f0", 1)
+    _finish(pol, "f1", 3)
+    pol.costs.observe(0, 100, 1, 0.2)
+    later = _live_trajectory(pol, "later", 1, engine_id=1)
+    pol.on_prefix_cache_reset()
+    assert pol.remaining_turns(0) == pytest.approx(2.0) and pol.remaining_turns(1) == pytest.approx(2.0)
+    sts = [engine(0, running=8), engine(1, waiting=2)]
+    n = len(later)
+    new_ref = documented_cost(pol, n, sts, k=0)
+    later_ref = documented_cost(pol, n, sts, k=1)
+    assert min(new_ref, key=new_ref.get) == 1 and min(later_ref, key=later_ref.get) == 0
+    assert pol.choose(req("new", np.arange(n) + 3_000_007), sts) == 1
+    assert pol.choose(req("later", later, turn=1), sts) == 0
+
+
+def test_cost_decode_terms_count_the_expected_turns_left_and_the_prefill_once():
+    """``R`` (expected turns left, this one included) multiplies both batch terms, the turn's
+    own decode and the delay it adds to the others, but not the prefill: finished
+    trajectories of 2 and 6 turns give R = 4 for a new trajectory, 4 after two turns, 3 after
+    three."""
+    for k in (0, 2, 3):
+        pol = make_policy("war", 2, admission=False)
+        _finish(pol, "f0", 2)
+        _finish(pol, "f1", 6)
+        sts = [engine(0, running=2, pending=3), engine(1, waiting=1, running=5)]
+        if k:
+            nxt = _live_trajectory(pol, "t", k)
+            pol.on_prefix_cache_reset()
+            pol.choose(req("t", nxt, turn=k), sts)
+        else:
+            nxt = np.arange(700, dtype=np.int32)
+            pol.choose(req("t", nxt), sts)
+        _assert_scores(pol, documented_cost(pol, len(nxt), sts, k=k))
+
+
+def test_cost_a_long_trajectory_leaves_the_cached_engine_for_a_smaller_batch():
+    """The engine a turn picks is where the trajectory's next turns decode too: with one turn
+    expected the cached prefix holds it on a busy engine; with many expected it moves to an
+    idle one, paying the prefill once."""
+    picks = {}
+    for name, finished in (("short", [1, 1]), ("long", [1, 40])):
+        pol = make_policy("war", 2, admission=False)
+        for i, t in enumerate(finished):
+            _finish(pol, f"f{i}", t)
+        prompt = np.arange(2000, dtype=np.int32) + 5_000_007
+        pol.on_turn_finished(req("sib", prompt), 0, np.arange(10))  # engine 0 caches the prompt
+        sts = [engine(0, pending=2), engine(1)]
+        ref = documented_cost(pol, len(prompt), sts, cached={0: len(prompt) - 16})
+        picks[name] = (pol.choose(req("t", prompt), sts), min(ref, key=ref.get))
+    assert picks["short"] == (0, 0) and picks["long"] == (1, 1)
+
+
+def test_cost_wait_is_the_larger_of_the_queue_wait_and_the_kv_shortfall_wait():
+    """``wait_e``: behind ``waiting`` requests a turn starts after that many of the
+    ``running + 1`` in flight finished (``waiting x lat / (running + 1)``); needing ``u + r``
+    KV tokens where the running requests leave less, it starts when they freed the shortfall
+    (``lat x shortfall / kv_used``); the larger of the two. No KV use reported: no KV wait."""
+    pol = make_policy("war", 5, admission=False)
+    pol.costs.observe(0, 100, 1, 2.0)  # r = 100 tokens, mean latency 2 s
+    lat, r, n = 2.0, 100, 1000
+    sts = [engine(0, running=4, cap=4096, kv_used=3500),            # KV wait only
+           engine(1, running=1, waiting=3, cap=4096, kv_used=3000),  # queue wait > KV wait
+           engine(2, running=3, waiting=1, cap=4096, kv_used=4000),  # KV wait > queue wait
+           engine(3, running=0, cap=512),                           # short of KV, none used
+           engine(4, running=2, waiting=2)]                          # queue wait only
+    pol.choose(req("t", np.arange(n)), sts)
+    kv = {e.engine_id: lat * (e.kv_used_tokens + n + r - e.kv_capacity_tokens) / e.kv_used_tokens
+          for e in sts[:3]}
+    queue = {1: 3 * lat / 2, 2: 1 * lat / 4, 4: 2 * lat / 3}
+    assert queue[1] > kv[1] and kv[2] > queue[2]  # the cases the states are built for
+    want_wait = {0: kv[0], 1: queue[1], 2: kv[2], 3: 0.0, 4: queue[4]}
+    s0, s1, p = RATES
+    for e in sts:  # a new trajectory, nothing finished: w = 1, R = 1, nothing cached
+        b = e.running + e.waiting + e.pending_turns
+        rest = p * n + r * s1 * (b + 1) + e.running * p * n + b * r * s1
+        assert pol.last_scores[e.engine_id] == pytest.approx(want_wait[e.engine_id] + rest,
+                                                             rel=1e-12), e.engine_id
+
+
+def test_cost_decode_rate_per_sequence_is_at_least_the_prefill_rate():
+    """``s1`` is floored at ``p``: a fit saying a decoded sequence costs less than one
+    prefilled token is raised to ``p``, so the batch terms use ``p``."""
+    p = 4e-5
+    pol = make_policy("war", 2, admission=False)
+    sts = [engine(0, running=6, pending=2, rates=(5e-3, 1e-6, p)),
+           engine(1, running=1, waiting=1, rates=(5e-3, 1e-6, p))]
+    pol.choose(req("t", np.arange(300)), sts)
+    _assert_scores(pol, documented_cost(pol, 300, sts, s1=p))
+    # above the floor the measured rate stands
+    pol2 = make_policy("war", 2, admission=False)
+    sts2 = [engine(i, running=3 * i, rates=(5e-3, 3 * p, p)) for i in range(2)]
+    pol2.choose(req("t", np.arange(300)), sts2)
+    _assert_scores(pol2, documented_cost(pol2, 300, sts2, s1=3 * p))
+
+
+@pytest.mark.parametrize("fit", ["no prefill rate", "no per-sequence rate"])
+def test_cost_a_zero_rate_takes_the_cold_priors_ratio_to_the_step_time(fit):
+    """A fit of 0 for ``p`` (or ``s1``) takes the cold prior's ratio to the fitted step time:
+    prefill 1/64 of a step, a sequence 1/32 of a step (turn_costs.PRIOR_RATES)."""
+    s0 = 0.02
+    rates = (s0, 0.0, 1e-5) if fit == "no per-sequence rate" else (s0, 1e-4, 0.0)
+    pol = make_policy("war", 2, admission=False)
+    ctx = np.arange(1600, dtype=np.int32) + 11_000_007
+    pol.on_turn_finished(req("old", ctx), 1, np.arange(10))  # engine 1 caches ctx
+    q = toks(ctx, np.arange(200))
+    sts = [engine(0, running=2, rates=rates), engine(1, running=1, pending=1, rates=rates)]
+    pol.choose(req("t", q), sts)
+    p = rates[2] or s0 / 64
+    s1 = rates[1] or s0 / 32
+    _assert_scores(pol, documented_cost(pol, len(q), sts, cached={1: 1600}, p=p, s1=s1))
+
+
+def test_cost_cached_prefix_leaves_the_last_token_to_compute():
+    """``cached_e`` is capped at ``len - 1`` (the engine computes the last token) and then
+    rounded down to e's blocks: a 320-token context held whole counts 304 cached tokens
+    (16-token blocks), 256 with 128-token blocks."""
+    for bs, credit in ((16, 304), (128, 256)):
+        pol = make_policy("war", 2, admission=False)
+        ctx = np.arange(320, dtype=np.int32) + 13_000_007
+        pol.on_turn_finished(req("old", ctx), 1, np.arange(40))  # engine 1 holds all of ctx
+        sts = [engine(0, bs=bs), engine(1, bs=bs)]
+        pol.choose(req("sib", ctx), sts)
+        assert pol.last_scores[0] - pol.last_scores[1] == pytest.approx(RATES[2] * credit)
+        _assert_scores(pol, documented_cost(pol, 320, sts, cached={1: credit}))
+
+
+def test_cost_has_no_move_margin():
+    """A trajectory leaves its engine as soon as another engine's cost is lower: sweeping the
+    measured turn latency (its engine's queue wait grows with it), it stays exactly while its
+    engine scores lowest, however small the difference."""
+    base = make_policy("war", 2, admission=False)
+    nxt = _live_trajectory(base, "t", 1, engine_id=0, size=3000)
+    sts = [engine(0, running=2, waiting=3), engine(1)]
+    outcomes = set()
+    for lat in np.linspace(0.0, 0.3, 301):
+        pol = copy.deepcopy(base)
+        pol.costs.observe(0, 100, 1, float(lat))
+        got = pol.choose(req("t", nxt, turn=1), sts)
+        s = pol.last_scores
+        assert got == (0 if s[0] <= s[1] else 1), lat
+        assert pol.moves == int(got != 0)
+        outcomes.add(got)
+    assert outcomes == {0, 1}  # the sweep crosses the point where moving pays
+
+
+def test_cost_ties_go_to_the_trajectorys_engine():
+    pol = make_policy("war", 3, admission=False)
+    nxt = _live_trajectory(pol, "t", 1, engine_id=2)
+    pol.on_prefix_cache_reset()  # nothing cached anywhere: every engine scores the same
+    got = pol.choose(req("t", nxt, turn=1), [engine(i, running=1) for i in range(3)])
+    assert len(set(pol.last_scores.values())) == 1
+    assert got == 2 and pol.moves == 0
+
+
+def test_cost_ties_go_to_fewer_requests_then_the_lower_id():
+    """Dyadic rates make the scores exact: engine 0 caches 256 more tokens than engines 1 and 2
+    but has one parked turn, which costs exactly that prefill (2 x r x s1 = 256 x p). All three
+    tie; engines 1 and 2 have fewer requests, and of those the lower id wins."""
+    p = 2.0 ** -10
+    rates = (2.0 ** -5, p, p)  # s1 = p: the decode of a sequence costs one prefilled token
+    pol = make_policy("war", 3, admission=False)
+    ctx = np.arange(1000, dtype=np.int32) + 15_000_007
+    pol.on_turn_finished(req("old", ctx[:256]), 0, np.arange(10) + 16_000_007)
+    sts = [engine(0, pending=1, rates=rates), engine(1, rates=rates), engine(2, rates=rates)]
+    assert pol.costs.mean_response * p * 2 == p * 256
+    got = pol.choose(req("t", ctx), sts)
+    _assert_scores(pol, documented_cost(pol, 1000, sts, cached={0: 256}))
+    assert len(set(pol.last_scores.values())) == 1
+    assert got == 1
+
+
+def test_cost_eviction_term_is_prefill_of_the_overflow_per_turn_left_per_running_request():
+    """Admission: ``p x overflow_e x R x (running_e + 1)`` is added where the trajectory
+    pushes e's projected live footprint past its budget. No history (R = 1, the footprint
+    is the live tokens now plus one turn's growth): engine 0 holds 1500 live tokens of a
+    2000-token KV, so 800 new tokens overflow it by 300; engine 1 (1000) fits them."""
+    pol = make_policy("war", 2, kv_capacity_tokens=2000)
+    pol.on_turn_finished(req("a", np.arange(1450) + 20_000_007), 0, np.arange(50))
+    pol.on_turn_finished(req("b", np.arange(950) + 21_000_007), 1, np.arange(50))
+    assert pol.growth_per_turn() == 0 and pol.budget(0) == 2000
+    sts = [engine(0, running=2, cap=2000), engine(1, running=6, pending=2, cap=2000)]
+    n = 800
+    pol.choose(req("c", np.arange(n) + 22_000_007), sts)
+    ref = documented_cost(pol, n, sts)
+    assert ref[0] < ref[1]  # engine 0 is cheaper before the eviction term
+    over = (1500 + n) - 2000
+    assert pol.last_scores[0] == pytest.approx(ref[0] + RATES[2] * over * 1 * (2 + 1), rel=1e-12)
+    assert pol.last_scores[1] == pytest.approx(ref[1], rel=1e-12)
+
+
+def test_cost_eviction_term_counts_the_expected_turns_left():
+    """With finished trajectories the overflow is the projected peak's (``overflow()``) and
+    the term counts each of the R turns the trajectory is expected to live there."""
+    pol = make_policy("war", 2, kv_capacity_tokens=2500)
+    for i, t in enumerate((1, 3, 5)):
+        _finish(pol, f"f{i}", t, engine=1, size=100)
+    pol.on_turn_finished(req("a", np.arange(1900) + 20_000_007), 0, np.arange(50))
+    pol.on_turn_finished(req("b", np.arange(300) + 21_000_007), 1, np.arange(50))
+    pol.on_prefix_cache_reset()
+    sts = [engine(0, running=1, cap=2500), engine(1, running=7, pending=3, cap=2500)]
+    n = 900
+    over = pol.overflow(0, 0, n)
+    assert over > 0 and pol.overflow(1, 0, n) == 0 and pol.remaining_turns(0) == pytest.approx(3.0)
+    pol.choose(req("c", np.arange(n) + 22_000_007), sts)
+    ref = documented_cost(pol, n, sts)
+    assert ref[0] < ref[1]
+    assert pol.last_scores[0] == pytest.approx(ref[0] + RATES[2] * over * 3.0 * 2, rel=1e-9)
+
+
+def test_cost_eviction_term_spares_the_trajectorys_own_engine():
+    """A trajectory's own engine never overflows: its blocks are already there."""
+    pol = make_policy("war", 2, kv_capacity_tokens=2000)
+    pol.on_turn_finished(req("a", np.arange(1700) + 20_000_007), 0, np.arange(50))
+    nxt = _live_trajectory(pol, "t", 1, engine_id=0, size=700)  # engine 0: 2500 live tokens
+    pol.on_turn_finished(req("b", np.arange(100) + 21_000_007), 1, np.arange(50))
+    sts = [engine(0, running=3, cap=2000), engine(1, running=3, cap=2000)]
+    cached = pol.estimated_cached_tokens(0, nxt)
+    assert pol.overflow(0, 1, pol._live["t"].tokens - cached) > 0  # it would, were it not its own
+    pol.choose(req("t", nxt, turn=1), sts)
+    ref = documented_cost(pol, len(nxt), sts, cached={0: cached}, k=1)
+    assert pol.last_scores[0] == pytest.approx(ref[0], rel=1e-12)
