@@ -251,3 +251,69 @@ def test_ray_address_is_taken_from_the_command_line_or_the_environment(monkeypat
     assert _ray_address([]) == ("env:2", [])
     with pytest.raises(ValueError, match="--ray-address: needs the cluster's address"):
         _ray_address(["--ray-address"])
+
+
+# ------------------------------------------------------------------ drafting kinds
+@pytest.mark.parametrize("speculation", ["auto", "on", "off", "none", "vllm_suffix"])
+def test_speculative_config_only_where_an_engine_drafts(speculation):
+    """Each drafting kind's vLLM arguments: ``none`` carries no speculative config (a plain engine,
+    as OpenRLHF's: none of what a speculative config changes in vLLM 0.29 applies), WAR's kinds
+    carry the suffix method behind WAR's extension, ``vllm_suffix`` vLLM's own; every kind keeps
+    the worker extension OpenRLHF's weight sync needs."""
+    from war_openrlhf.engine.drafting import PlainEngine, VllmSuffixDrafting, WarIndexDrafting
+
+    cfg = _settings()
+    cfg = EngineConfig.from_dict({**cfg.as_dict(), "speculation": speculation, "num_speculative_tokens": 6})
+    args = vllm_engine_kwargs(cfg, cuda=True, openrlhf_worker=True)
+    kind = cfg.drafting
+    if speculation == "none":
+        assert isinstance(kind, PlainEngine) and "speculative_config" not in args
+        assert args["worker_extension_cls"] == WAR_OPENRLHF_WORKER_EXTENSION and not kind.has_war_index
+    elif speculation == "vllm_suffix":
+        assert isinstance(kind, VllmSuffixDrafting) and not kind.has_war_index
+        assert args["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 6}
+    else:
+        assert isinstance(kind, WarIndexDrafting) and kind.has_war_index
+        assert args["speculative_config"]["method"] == "suffix"
+        assert args["speculative_config"]["num_speculative_tokens"] == 6
+        assert args["worker_extension_cls"] == WAR_OPENRLHF_WORKER_EXTENSION
+    if not kind.has_war_index:
+        with pytest.raises(ValueError, match="no WAR index replica"):
+            kind.refuse_index_call("reset_index")
+
+
+@pytest.mark.timeout(600)
+def test_a_plain_engine_runs_turns_and_refuses_index_calls(model_dir, tmp_path):
+    """``speculation: none`` on a real engine: it generates, reports no replica, and refuses the
+    index and switch RPCs by name (the pool then ships it no log)."""
+    script = tmp_path / "plain_engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, json
+        from war_openrlhf.engine import EngineConfig
+        from war_openrlhf.engine.engine import WarEngine
+
+        async def main():
+            eng = WarEngine(EngineConfig(model={str(model_dir)!r}, dtype="float32", max_model_len=512,
+                                         speculation="none"))
+            await eng.start()
+            out = await eng.generate_tokens([5, 9, 11], {{"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}})
+            stats = await eng.stats()
+            try:
+                await eng.set_speculation("on")
+                refused = None
+            except ValueError as exc:
+                refused = str(exc)
+            print("RESULT " + json.dumps({{"tokens": len(out["token_ids"]), "war": "war" in stats,
+                                          "refused": refused}}))
+            await eng.shutdown()
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=540,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1"))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["tokens"] == 6 and result["war"] is False
+    assert "no WAR index replica" in result["refused"] and "speculation='none'" in result["refused"]

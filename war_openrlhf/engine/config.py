@@ -19,7 +19,7 @@ from .drafting import Drafting, drafting_for
 from .spec_switch import SpecSwitchConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-SPECULATION_MODES = ("auto", "on", "off", "vllm_suffix")
+SPECULATION_MODES = ("auto", "on", "off", "none", "vllm_suffix")
 # vLLM 0.29's ModelConfig.logprobs_mode choices (OpenRLHF's --algo.advantage.is_correction_level
 # asks for processed_logprobs: the sampler's log-probs after temperature / top-p)
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -31,8 +31,8 @@ class EngineConfig:
     """One rollout engine (defaults in configs/engine.yaml).
 
     ``speculation``: ``auto`` (WAR index, the load-aware switch decides), ``on`` /
-    ``off`` (WAR index, forced), ``vllm_suffix`` (vLLM's own per-engine suffix
-    method, the baseline).
+    ``off`` (WAR index, forced), ``none`` (a plain vLLM engine: no speculative config, so
+    nothing paid for drafting), ``vllm_suffix`` (vLLM's own per-engine suffix method).
     """
 
     model: str = ""

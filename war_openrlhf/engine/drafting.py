@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Drafting", "WarIndexDrafting", "VllmSuffixDrafting", "drafting_for"]
+__all__ = ["Drafting", "WarIndexDrafting", "PlainEngine", "VllmSuffixDrafting", "drafting_for"]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Drafting:
     def refuse_index_call(self, method: str) -> None:
         """Raise the error an index or switch RPC gets on an engine without a WAR replica."""
         if not self.has_war_index:
-            raise ValueError(f"{method}: this engine runs vLLM's own suffix method (speculation={self.mode!r})")
+            what = "vLLM's own suffix method" if self.mode == "vllm_suffix" else "no speculative config"
+            raise ValueError(f"{method}: this engine has no WAR index replica: it runs {what} (speculation={self.mode!r})")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,20 @@ class WarIndexDrafting(Drafting):
 
 
 @dataclass(frozen=True)
+class PlainEngine(Drafting):
+    """No speculative config at all: a plain vLLM engine, as OpenRLHF starts them. Nothing drafts and
+    nothing is paid for drafting: no drafter call per step, and on GPUs none of what a speculative
+    config changes in vLLM 0.29 (async scheduling off, the V1 model runner, CUDA-graph sizes rounded
+    to multiples of K+1, one-token steps no longer uniform decode; docs/gpu.md)."""
+
+    def engine_kwargs(self, num_speculative_tokens: int, max_tree_depth: int, *, openrlhf_worker: bool) -> dict[str, Any]:
+        from .rpc import war_engine_kwargs
+
+        # the worker extension stays (weight sync, index RPCs answer "no replica"); no speculative config
+        return {"worker_extension_cls": war_engine_kwargs(openrlhf=openrlhf_worker)["worker_extension_cls"]}
+
+
+@dataclass(frozen=True)
 class VllmSuffixDrafting(Drafting):
     """vLLM's own per-engine suffix method (the one-flag option a user already has); no WAR replica."""
 
@@ -57,9 +72,11 @@ class VllmSuffixDrafting(Drafting):
 
 
 def drafting_for(speculation: str) -> Drafting:
-    """The drafting kind of ``EngineConfig.speculation`` (``auto`` | ``on`` | ``off`` | ``vllm_suffix``)."""
+    """The drafting kind of ``EngineConfig.speculation`` (``auto`` | ``on`` | ``off`` | ``none`` | ``vllm_suffix``)."""
     if speculation == "vllm_suffix":
         return VllmSuffixDrafting(speculation)
+    if speculation == "none":
+        return PlainEngine(speculation)
     if speculation in ("auto", "on", "off"):
         return WarIndexDrafting(speculation)
-    raise ValueError(f"speculation: must be one of auto, on, off, vllm_suffix, got {speculation!r}")
+    raise ValueError(f"speculation: must be one of auto, on, off, none, vllm_suffix, got {speculation!r}")
