@@ -94,6 +94,15 @@ def spread_text(s: dict[str, Any], spec: str = ".1f", scale: float = 1.0) -> str
             f"({format(s['min'] * scale, spec)}-{format(s['max'] * scale, spec)})")
 
 
+def load_note(d: dict) -> str:
+    """How busy the machine was as a timed run ended (its 5-minute load average against its cores)."""
+    m = d.get("machine") or {}
+    load, cpus = m.get("load_average"), m.get("cpus")
+    if not load or not cpus:
+        return "the machine's load was not recorded"
+    return f"load average {load[1]:.1f} on {cpus} cores as the run ended"
+
+
 def pct(x: float, spec: str = ".0f") -> str:
     return f"{format(100 * x, spec)}%"
 
@@ -297,7 +306,7 @@ def speculation_target(one: dict, two: dict) -> str:
     return (
         "**Target check:** the target was war_global >= 1.2x per_engine_suffix at 8 engines,\n"
         f"K=16 on the dev traces. Measured: **{x1:.2f}x for one step** ({verdict(x1)}), **{x2:.2f}x over\n"
-        f"two steps** ({verdict(x2)}; below). In one step OpenRLHF places each group whole on one engine, so\n"
+        f"two steps** ({verdict(x2)}; the table below). In one step OpenRLHF places each group whole on one engine, so\n"
         "vLLM's per-engine tree already sees every sibling's live response; what only the\n"
         "global index adds is the other tasks' turns (shared phrasing, tool-call syntax,\n"
         f"the airline policy's wording), worth {signed_pct(lo)} to {signed_pct(hi)} in the ablations above. "
@@ -342,7 +351,7 @@ def readme_headline(one: dict, two: dict) -> str:
     r = one["results"]
     return (
         f"Headline (tau-bench airline, {one['workload']['trajectories']} trajectories, {one['replay']['engines']} engines, "
-        f"K={one['replay']['k']}, one synchronous step, simulated\nverification steps: exact): WAR's global index gives "
+        f"K={one['replay']['k']}, one synchronous step, replayed\nexactly): WAR's global index gives "
         f"{r['war_global']['tokens_per_step']:.2f} tokens per verification step,\n"
         f"{r['war_global']['ratio_vs_per_engine_suffix']:.2f}x vLLM's per-engine suffix decoding "
         f"({r['per_engine_suffix']['tokens_per_step']:.2f}) and {r['war_global']['speedup_vs_none']:.2f}x no speculation; "
@@ -354,73 +363,86 @@ def readme_headline(one: dict, two: dict) -> str:
 def index_summary(d: dict) -> str:
     r = d["results"]
     n = d["repeats"]
-    ins = r["insertion_tokens_per_s"]
-    sp50, sp99 = r["speculate_p50_us"], r["speculate_p99_us"]
-    ser8, par8 = r["replicate_8k_serial_ms"], r["replicate_8k_per_replica_ms"]
-    serr, parr = r["replicate_real_serial_ms"], r["replicate_real_per_replica_ms"]
+    cpu = lambda key: key.replace("_us", "_cpu_us").replace("_ms", "_cpu_ms").replace(
+        "insertion_tokens", "insertion_cpu_tokens")
+    med = lambda key: r[cpu(key)]["median"]
     met = lambda ok: "met" if ok else "missed"
+
+    def both(key, spec=".1f", scale=1.0):
+        return spread_text(r[cpu(key)], spec, scale), spread_text(r[key], spec, scale)
+
+    ins = both("insertion_tokens_per_s", ".2f", 1e-6)
+    sp50, sp99 = both("speculate_p50_us"), both("speculate_p99_us")
+    ser8, serr = both("replicate_8k_serial_ms"), both("replicate_real_serial_ms")
+    par8, parr = both("replicate_8k_per_replica_ms"), both("replicate_real_per_replica_ms")
     rows = [
-        ["insertion", f"{spread_text(ins, '.2f', 1e-6)} M tokens/s", ">= 0.5 M",
-         f"{met(ins['median'] >= 0.5e6)}; a replica applying all {r['records']:,} turn records of the traces "
-         f"({r['indexed_tokens'] / 1e3:.0f}k tokens incl. lead-ins)"],
-        ["speculate p50 (engine path)", f"{spread_text(sp50, '.1f')} us", "<= 20 us",
-         f"{met(sp50['median'] <= 20)}; see below"],
-        ["speculate p99", f"{spread_text(sp99, '.1f')} us", "", ""],
-        ["memory", f"{r['bytes_per_indexed_token']:.0f} B per cached token", "",
+        ["insertion (M tokens/s)", ins[0], ins[1], ">= 0.5 M",
+         f"{met(med('insertion_tokens_per_s') >= 0.5e6)}; a replica applying all {r['records']:,} turn records of "
+         f"the traces ({r['indexed_tokens'] / 1e3:.0f}k tokens incl. lead-ins)"],
+        ["speculate p50, engine path (us)", sp50[0], sp50[1], "<= 20 us", f"{met(med('speculate_p50_us') <= 20)}; see below"],
+        ["speculate p99 (us)", sp99[0], sp99[1], "", ""],
+        ["memory", f"{r['bytes_per_indexed_token']:.0f} B per cached token", "", "",
          f"{r['memory_bytes'] / 2**20:.0f} MiB for the {r['indexed_tokens'] / 1e3:.0f}k tokens (tree + stored records)"],
-        [f"replicate an 8k-token trajectory to {r['replicas']} replicas, serial",
-         f"{spread_text(ser8, '.1f')} ms ({r['replicate_8k_tokens_per_replica']:,} fresh tokens); "
-         f"{spread_text(serr, '.1f')} ms (a real {r['replicate_real_trajectory_tokens']:,}-token tau trajectory: "
-         f"{r['replicate_real_tokens_per_replica']:,} tokens inserted)", "<= 5 ms",
-         f"{met(max(ser8['median'], serr['median']) <= 5)}; one core applies all {r['replicas']} replicas in turn"],
-        ["same, per replica (replicas apply in parallel, one per engine process)",
-         f"{spread_text(par8, '.1f')} ms; {spread_text(parr, '.1f')} ms", "<= 5 ms",
-         f"{met(max(par8['median'], parr['median']) <= 5)}; the wall time when every engine applies its own replica"],
+        [f"replicate to {r['replicas']} replicas, serial (ms): an 8k-token record; a real "
+         f"{r['replicate_real_trajectory_tokens']:,}-token tau trajectory",
+         f"{ser8[0]}; {serr[0]}", f"{ser8[1]}; {serr[1]}", "<= 5 ms",
+         f"{met(max(med('replicate_8k_serial_ms'), med('replicate_real_serial_ms')) <= 5)}; "
+         f"{r['replicate_8k_tokens_per_replica']:,} and {r['replicate_real_tokens_per_replica']:,} tokens inserted "
+         f"per replica; one core applies all {r['replicas']} replicas in turn"],
+        ["same, per replica (ms; replicas apply in parallel, one per engine process)", f"{par8[0]}; {parr[0]}",
+         f"{par8[1]}; {parr[1]}", "<= 5 ms",
+         f"{met(max(med('replicate_8k_per_replica_ms'), med('replicate_real_per_replica_ms')) <= 5)}; "
+         "the time until every engine has applied its own replica"],
     ]
-    return md_table(["metric", f"median of {n} runs (min-max)", "target", "note"], ["l", "r", "r", "l"], rows)
+    return md_table(["metric", f"CPU time: median of {n} runs (min-max)", "wall time: median (min-max)", "target",
+                     "note"], ["l", "r", "r", "r", "l"], rows)
 
 
 @renderer("index_breakdown")
 def index_breakdown(d: dict) -> str:
     r = d["results"]
-    rows = [["the same call again (warm CPU caches)", f"{spread_text(r['breakdown_warm_us'])} us"],
-            [f"after the CPU caches are flushed ({r['breakdown_flush_mib']} MiB written)",
-             f"{spread_text(r['breakdown_flushed_us'])} us"],
-            ["after appending the token just sampled (as decoding does)",
-             f"{spread_text(r['breakdown_after_append_us'])} us"]]
-    return md_table(["", f"p50 of {r['breakdown_calls']} calls, median of {d['repeats']} runs (min-max)"],
-                    ["l", "r"], rows)
+    rows = []
+    for key, what in (("warm", "the same call again (warm CPU caches)"),
+                      ("flushed", f"after the CPU caches are flushed ({r['breakdown_flush_mib']} MiB written)"),
+                      ("after_append", "after appending the token just sampled (as decoding does)")):
+        rows.append([what, spread_text(r[f"breakdown_{key}_cpu_us"]), spread_text(r[f"breakdown_{key}_us"])])
+    return md_table(["", f"CPU time (us): p50 of {r['breakdown_calls']} calls, median of {d['repeats']} runs (min-max)",
+                     "wall time (us)"], ["l", "r", "r"], rows)
 
 
 @renderer("index_reading")
 def index_reading(d: dict) -> str:
     r = d["results"]
     med = lambda k: r[k]["median"]
-    p50, warm, flushed = med("speculate_p50_us"), med("breakdown_warm_us"), med("breakdown_flushed_us")
+    p50, warm, flushed = med("speculate_p50_cpu_us"), med("breakdown_warm_cpu_us"), med("breakdown_flushed_cpu_us")
     if warm < p50 < flushed:
-        where = (f"So the speculate p50 ({p50:.0f} us) lies between a warm repeat of the same call ({warm:.0f} us) "
-                 f"and the same call on cold caches ({flushed:.0f} us): the time goes to")
+        where = (f"So the speculate p50 ({p50:.0f} us of CPU time) lies between a warm repeat of the same call "
+                 f"({warm:.0f} us) and the same call on cold caches ({flushed:.0f} us): the time goes to")
     else:
-        where = (f"The speculate p50 is {p50:.0f} us, a warm repeat of the same call {warm:.0f} us and the same call "
-                 f"on cold caches {flushed:.0f} us; the cold-cache cost is")
-    ins = med("insertion_tokens_per_s") / 1e6
-    rate8 = r["replicate_8k_tokens_per_replica"] / med("replicate_8k_per_replica_ms") / 1e3
-    rate_real = r["replicate_real_tokens_per_replica"] / med("replicate_real_per_replica_ms") / 1e3
-    par = sorted([med("replicate_8k_per_replica_ms"), med("replicate_real_per_replica_ms")])
-    ser = sorted([med("replicate_8k_serial_ms"), med("replicate_real_serial_ms")])
+        where = (f"The speculate p50 is {p50:.0f} us of CPU time, a warm repeat of the same call {warm:.0f} us and "
+                 f"the same call on cold caches {flushed:.0f} us; the cold-cache cost is")
+    ins = med("insertion_cpu_tokens_per_s") / 1e6
+    rate8 = r["replicate_8k_tokens_per_replica"] / med("replicate_8k_per_replica_cpu_ms") / 1e3
+    rate_real = r["replicate_real_tokens_per_replica"] / med("replicate_real_per_replica_cpu_ms") / 1e3
+    par = sorted([med("replicate_8k_per_replica_cpu_ms"), med("replicate_real_per_replica_cpu_ms")])
+    ser = sorted([med("replicate_8k_serial_cpu_ms"), med("replicate_real_serial_cpu_ms")])
     return (
+        f"These runs shared the cores with other work ({load_note(d)}). Every figure is timed twice: by this "
+        "thread's CPU time (`time.thread_time_ns`, the clocks' own cost subtracted), which leaves out the time the "
+        "scheduler gave to that work but not the cache misses it caused, and by wall time; the verdicts above are "
+        "by CPU time, and are those of a busy machine.\n\n"
         f"{where} cache misses in the C++ trees (the {r['memory_bytes'] / 2**20:.0f} MiB global tree and a fresh "
         "trajectory tree per probed turn): arctic's `speculate` walks the tree from the root once per match length "
-        f"(1..{d['results']['k']} here), O(window^2) node visits, each a likely miss on a cold cache. What would "
+        f"(1..{r['k']} here), O(window^2) node visits, each a likely miss on a cold cache. What would "
         "reach 20 us: an incremental matcher in the C++ tree (keep the match state between a request's calls: one "
         "node visit per new token), which is a change to arctic-inference, not to this package.\n\n"
-        f"Replication is bounded by arctic's C++ insertion: {ins:.2f} M tokens/s when a replica applies the traces' "
-        f"turns, {rate_real:.2f} M tokens/s per replica for the real trajectory's turns and {rate8:.2f} M tokens/s "
-        "for the random 8k-token record (medians). Only model-generated tokens (plus the 16-token lead-in per "
-        f"turn) enter the global tree, so a real {r['replicate_real_trajectory_tokens']:,}-token agent trajectory "
+        f"Replication is bounded by arctic's C++ insertion: {ins:.2f} M tokens/s of CPU time when a replica applies "
+        f"the traces' turns, {rate_real:.2f} M tokens/s per replica for the real trajectory's turns and {rate8:.2f} "
+        "M tokens/s for the random 8k-token record (medians). Only model-generated tokens (plus the 16-token lead-in "
+        f"per turn) enter the global tree, so a real {r['replicate_real_trajectory_tokens']:,}-token agent trajectory "
         f"inserts {r['replicate_real_tokens_per_replica']:,} tokens per replica. Replicas apply asynchronously in "
         "their own engine processes, so the time until every engine can draft from a trajectory is the per-replica "
-        f"time, {par[0]:.1f}-{par[1]:.1f} ms (the two trajectories' medians); serial application of "
+        f"time, {par[0]:.1f}-{par[1]:.1f} ms of CPU time (the two trajectories' medians); serial application of "
         f"{r['replicas']} replicas on one core, as here, takes {ser[0]:.0f}-{ser[1]:.0f} ms.\n")
 
 
@@ -430,26 +452,30 @@ def decision_cost(d: dict) -> str:
     rows = []
     for name in d["policies"]:
         r = d["results"][name]
-        rows.append([name] + [spread_text(r[k]) for k in ("p50_us", "p99_us", "p50_us_ctx>=32k", "p99_us_ctx>=32k")])
-    return md_table(["policy", "p50", "p99", "p50 at contexts >= 32k", "p99 at contexts >= 32k"],
-                    ["l", "r", "r", "r", "r"], rows)
+        rows.append([name] + [spread_text(r[k]) for k in ("cpu_p50_us", "cpu_p99_us", "cpu_p50_us_ctx>=32k",
+                                                           "cpu_p99_us_ctx>=32k", "p50_us")])
+    return md_table(["policy", "p50", "p99", "p50 at contexts >= 32k", "p99 at contexts >= 32k", "p50, wall time"],
+                    ["l", "r", "r", "r", "r", "r"], rows)
 
 
 @renderer("decision_target")
 def decision_target(d: dict) -> str:
-    w = d["results"]["war"]["p50_us"]
-    fin = d["results"]["war"]["finish_p50_us"]
+    w = d["results"]["war"]["cpu_p50_us"]
+    wall = d["results"]["war"]["p50_us"]
+    fin = d["results"]["war"]["cpu_finish_p50_us"]
     ok = w["median"] <= 50
     return (f"WAR's target is p50 <= 50 us at {d['workload']['engines']} engines and "
-            f"{d['workload']['max_context'] // 1024}k-token contexts: "
-            f"{w['median']:.1f} us (runs {w['min']:.1f}-{w['max']:.1f}), {'met' if ok else 'missed'}.\n"
+            f"{d['workload']['max_context'] // 1024}k-token contexts: {spread_text(w)} us of CPU time "
+            f"({spread_text(wall)} us wall), {'met' if ok else 'missed'} in these runs, which shared the cores "
+            f"with other work ({load_note(d)}): CPU time leaves out the time other work was scheduled, not the "
+            "cache misses it causes, so an idle core's figure is likely lower. The policies ran in turn within each "
+            "run, so their ratios are less affected than their absolute times.\n"
             "Its block-hash chain is extended incrementally per turn (never rehashed); the time goes to the\n"
             "longest-cached-prefix lookup across engines, hashing the new blocks and one cost per engine.\n"
             "Its footprint projections (numpy, per engine, cached until the engine's live set changes)\n"
             "run only when a candidate could beat the trajectory's own engine, so they weigh on p99 and\n"
             "on first turns under KV pressure, not on the typical turn. `on_turn_finished` (recording a\n"
-            f"finished turn's blocks) costs {fin['median']:.1f} us p50 (runs {fin['min']:.1f}-{fin['max']:.1f}), "
-            "outside the decision.\n")
+            f"finished turn's blocks) costs {spread_text(fin)} us of CPU time at p50, outside the decision.\n")
 
 
 # ---- one simulated regime (tools/bench_dispatch.py) ---------------------------------
