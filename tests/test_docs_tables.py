@@ -196,3 +196,15 @@ def test_prose_states_no_measured_ratio_outside_rendered_regions():
             if not re.search(r"[<>]=\s?$", before):
                 found.append(f"{_rel(doc)}: {text[max(0, m.start() - 60):m.end() + 20]!r}")
     assert not found, "measured ratios typed in prose:\n" + "\n".join(found)
+
+
+def test_every_benchmark_tool_writes_its_results_through_write_json():
+    """The one writer records command, commit and machine; a tool that writes its own JSON would not."""
+    tools = sorted((ROOT / "tools").glob("bench_*.py")) + [ROOT / "tools" / n for n in
+                                                           ("check_spec_sampling.py", "soak.py", "resimulate_rollout.py")]
+    assert len(tools) >= 8
+    for tool in tools:
+        src = tool.read_text()
+        assert "write_json(" in src, f"{tool.name}: results not written through war_openrlhf.metrics.write_json"
+        assert "json.dumps(out" not in src and ".write_text(json.dumps" not in src, \
+            f"{tool.name}: writes a result file of its own (use war_openrlhf.metrics.write_json)"
