@@ -518,6 +518,7 @@ class AgentExecutor(MultiTurnAgentExecutor):
 """
 
 
+@pytest.mark.timeout(600)  # two PPO steps through OpenRLHF's Ray trainer
 def test_openrlhfs_ray_ppo_trainer_runs_two_steps_on_cpu(tmp_path):
     """OpenRLHF's own train_ppo_ray entry point, unchanged, after apply_cpu_support and
     ray.init(**ray_init_kwargs()): a policy actor (DeepSpeed ZeRO-1 on gloo), one vLLM

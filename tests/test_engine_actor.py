@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's engine (and the tiny model it loads) starts inside its first test's timeout
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 
 from war_openrlhf.engine.config import EngineConfig, check_startup  # noqa: E402
 from war_openrlhf.engine.engine import WarEngine  # noqa: E402

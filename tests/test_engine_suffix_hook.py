@@ -37,6 +37,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's engines (and the tiny model they load) start inside its first test's timeout
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 
 # Before vLLM is imported (engines read these in their own processes too; the rest: conftest.py).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # 2 shared cores: no pinning

@@ -774,6 +774,7 @@ def test_sql_authorizer_refuses_every_write_and_attach_by_itself():
                         "SELECT sum(i) FROM r").fetchone() == (6,)
 
 
+@pytest.mark.timeout(60)  # without its deadline the query runs for many minutes
 def test_a_slow_query_is_stopped_by_the_wall_clock_deadline(tmp_path):
     import time
 

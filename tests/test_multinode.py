@@ -22,6 +22,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# a two-node Ray cluster and a war-train run on it
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 
 
 def _free_port() -> int:

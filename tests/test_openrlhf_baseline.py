@@ -16,6 +16,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's OpenRLHF engines start inside its first test's timeout
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

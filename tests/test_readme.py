@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the README's snippets start real engines
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
 RUNNABLE = {m.group(1): b for b in BLOCKS if (m := re.match(r"# runnable: (\w+)\n", b))}

@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's engines start inside its first test's timeout
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 
 from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.rollout import (RolloutConfig, RolloutPool, check_step_result, load_agent_class,  # noqa: E402

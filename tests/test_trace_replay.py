@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the module's engines start inside its first test's timeout
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 REAL_TRACES = ROOT.parent / "shared" / "traces" / "tau_airline_dev.json"
 AGENT = ROOT / "examples" / "trace_replay" / "agent.py"

@@ -15,6 +15,9 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+# GRPO runs through OpenRLHF's trainers with real engines: minutes each on two CPU cores
+# (the default, setup.cfg, is 300 s a test)
+pytestmark = pytest.mark.timeout(600)
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
 
 
