@@ -98,3 +98,32 @@ def test_turn_result_from_an_engine_answer():
     assert r.queue_s == 0.5 and r.prefill_s is None and r.extra == {"custom": 1}
     with pytest.raises(ValueError, match="engine 1: a turn's answer has no token_ids"):
         TurnResult.from_engine({"logprobs": []}, engine=1, prompt_tokens=0)
+
+
+class PlainReplica(Replica):
+    """An engine without a WAR replica (``speculation: none``): index calls are refused, as
+    ``WarEngine`` refuses them."""
+
+    async def push_log(self, wire):
+        raise ValueError("push_log: this engine has no WAR index replica")
+
+    async def reset_index(self, owner=None, start_seq=0):
+        raise ValueError("reset_index: this engine has no WAR index replica")
+
+
+def test_engines_whose_stats_name_no_replica_get_no_log_and_do_not_hold_back_truncation():
+    from war_openrlhf.engine.stats import EngineStats
+
+    cfg = RolloutConfig(agent_func_path="agent.py", progress=False)
+    replicas = [Replica(), PlainReplica(), Replica()]
+    clients = [EngineClient(i, r) for i, r in enumerate(replicas)]
+    shipper = LogShipper(cfg, clients, owner="pool-x")
+    kinds = ["auto", "none", "auto"]
+    asyncio.run(shipper.attach_all([EngineStats(engine=i, speculation=k) for i, k in enumerate(kinds)]))
+    assert [c.has_war_index for c in clients] == [True, False, True]
+    for i in range(3):
+        shipper.record(f"t{i}", "g", 0, np.arange(10, dtype=np.int32), np.arange(3, dtype=np.int32))
+    asyncio.run(shipper.sync(flush=True))
+    assert [len(r.received) for r in replicas] == [3, 0, 3]
+    assert [c.sync_errors for c in clients] == [0, 0, 0] and clients[1].last_sync_error is None
+    assert len(shipper.log) == 0  # the plain engine holds nothing back

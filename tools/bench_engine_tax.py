@@ -104,13 +104,26 @@ def main(argv=None) -> int:
                     row[f"{name}_x_plain_median"] = row[f"{name}_x_plain"]["median"]
                     row[f"{name}_tax_pct"] = 100.0 * (1.0 - row[f"{name}_x_plain"]["median"])
         rows.append(row)
+    pooled = {}  # every batch's paired ratios together: the tax the engine pays whatever the load
+    if "plain" in configs:
+        for name in configs:
+            if name != "plain":
+                ratios = [w / p for b in batches for w, p in zip(runs[(name, b)], runs[("plain", b)])]
+                q = np.percentile(ratios, [25, 50, 75])
+                boot = np.median(rng.choice(ratios, size=(2000, len(ratios))), axis=1)
+                pooled[name] = {"pairs": len(ratios), "x_plain_median": float(q[1]), "x_plain_iqr": [float(q[0]), float(q[2])],
+                                "x_plain_median_90ci": [float(np.percentile(boot, 5)), float(np.percentile(boot, 95))],
+                                "tax_pct": 100.0 * (1.0 - float(q[1]))}
+                print(f"{name}: pooled over {len(ratios)} pairs, x plain {q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, "
+                      f"90% CI of the median {pooled[name]['x_plain_median_90ci'][0]:.3f}-"
+                      f"{pooled[name]['x_plain_median_90ci'][1]:.3f}): tax {pooled[name]['tax_pct']:.1f}%")
     cols = [("batch", "batch", "")] + [(f"{n}_tok_s", f"{n} tok/s", ".0f") for n in configs]
     cols += [(f"{n}_tax_pct", f"{n} tax %", ".1f") for n in configs if n != "plain"]
     print(format_table(rows, cols))
     write_json(args.json, {"benchmark": "engine_tax", "regime": "one CPU engine per config, greedy, forced lengths, "
                            "prefix cache reset before each run, empty index (nothing to draft)",
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                           "rows": rows})
+                           "rows": rows, "pooled": pooled})
     for llm in engines.values():
         try:
             llm.llm_engine.engine_core.shutdown()

@@ -169,6 +169,10 @@ class WarEngine:
         self._fault_dir: str | None = None  # where this engine's vLLM processes record a fatal signal
         self._stats_logger = None
         self._kv_events = None  # KvEventSubscriber when config.kv_events
+        # requests served and their summed time inside vLLM (submission to final output), over
+        # both entry points: what a rollout path adds per turn is its wall time minus this
+        self._requests_served = 0
+        self._request_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -295,12 +299,13 @@ class WarEngine:
         version_at_start = self.weight_version
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                               sampling_params, request_id=rid):
+            ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sampling_params, request_id=rid):
                 final = out
         except Exception as exc:
             self._raise_if_killed(exc)
             raise
+        self._served(time.perf_counter() - t0)
         completion = final.outputs[0]
         timing = _engine_timing(final.metrics)
         logprobs = []
@@ -312,7 +317,7 @@ class WarEngine:
             "token_ids": list(completion.token_ids),
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
-            "num_prompt_tokens": len(final.prompt_token_ids or prompt_token_ids),
+            "num_prompt_tokens": len(final.prompt_token_ids or ids),
             "num_cached_tokens": int(final.num_cached_tokens or 0),
             "seconds": time.perf_counter() - t0,
             "engine": self.engine_index,
@@ -329,10 +334,16 @@ class WarEngine:
         if multi_modal_data:
             raise NotImplementedError("WarEngine.generate: multi-modal prompts are not supported")
         final = None
+        t0 = time.perf_counter()
         async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
                                            sampling_params.clone(), request_id=f"war-{uuid.uuid4().hex}"):
             final = out
+        self._served(time.perf_counter() - t0)
         return final
+
+    def _served(self, seconds: float) -> None:
+        self._requests_served += 1
+        self._request_seconds += seconds
 
     async def generate_responses(self, prompt, label, sampling_params, max_length, hf_tokenizer,
                                  num_samples=1, images=None):
@@ -425,6 +436,8 @@ class WarEngine:
             "weight_version": self.weight_version,
             "node_id": _ray_node_id(),
             "pid": os.getpid(),  # the engine's process (operators: a hung engine's stack, its memory)
+            "requests_served": self._requests_served,
+            "request_seconds": self._request_seconds,
         }
         if self._kv_events is not None:
             out["kv_events"] = self._kv_events.stats()

@@ -213,11 +213,17 @@ class WarWorkerExtension:
             return
         original = drafter.propose
         worker = self
-        state = {"start": None, "drafted": 0, "enabled": False, "seen": set()}
+        state = {"start": None, "drafted": 0, "enabled": False, "seen": set(), "active": True}
 
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
-            now = time.perf_counter()
             cache = getattr(worker, "_war_suffix_cache", None)
+            if cache is not None and getattr(worker, "_war_mode", "on") == "off" and not cache.enabled \
+                    and not cache.index.has_pending_work and not state["active"]:
+                # forced off and nothing to apply: no switch to feed, no requests to release,
+                # no step to trace; the engine's only drafting cost is this call
+                state["start"] = None  # the switch's next interval starts afresh when it is back
+                return [[]] * len(sampled_token_ids)
+            now = time.perf_counter()
             drafts = _propose(cache, now, num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             if cache is not None:
                 worker._war_trace.record(now, time.perf_counter())
@@ -251,7 +257,9 @@ class WarWorkerExtension:
                     cache.stop_request(rid)
                 state["drafted"] = 0
                 state["start"] = now
+                state["active"] = False
                 return [[] for _ in sampled_token_ids]
+            state["active"] = True
             drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             state["drafted"] = sum(len(d) for d in drafts)
             state["start"] = now

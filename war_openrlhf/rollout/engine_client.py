@@ -13,6 +13,8 @@ import asyncio
 from dataclasses import replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import numpy as np
+
 from ..dispatch import EngineState
 from ..engine.stats import EngineStats
 
@@ -88,6 +90,7 @@ class EngineClient:
         self.kv_capacity_tokens = UNKNOWN_KV_TOKENS
         self.kv_block_size = 16  # until the engine reports its own
         self.log_sent = 0
+        self.has_war_index = True  # until its stats say it runs no WAR replica (speculation none / vllm_suffix)
         self.sync_errors = 0  # index log pushes the engine refused (not a dead actor)
         self.last_sync_error: str | None = None
         self.peak_kv_usage = 0.0  # highest KV-cache usage in a stats report this batch (the pool resets it)
@@ -112,7 +115,9 @@ class EngineClient:
                               group_id: str, timeout_s: float | None = None) -> dict[str, Any]:
         """One turn. ``timeout_s``: an engine that has not answered by then is hung; it is
         treated as dead (marked unhealthy, :class:`EngineDead` raised so the turn is re-dispatched)."""
-        call = self._call("generate_tokens", list(context), dict(sampling_params), None, trajectory_id, group_id)
+        # an int32 array crosses Ray as one buffer; a list of a long context is pickled int by int
+        ids = np.asarray(context, dtype=np.int32)
+        call = self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id)
         if timeout_s is None:
             return await call
         try:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..engine.drafting import drafting_for
 from ..engine.stats import EngineStats
 from ..engine.wire import entries_to_wire
 from ..speculation import CompletedSequence, CompletedSequenceLog
@@ -39,7 +40,11 @@ class LogShipper:
     def __init__(self, config: RolloutConfig, engines: Sequence[EngineClient], owner: str) -> None:
         self.engines = list(engines)
         self.owner = owner  # the replicas follow this owner's log (a pool id)
-        self.enabled = config.engine.drafting.has_war_index  # vLLM's own suffix method keeps no replica
+        # engines without a replica (plain, or vLLM's own suffix method) get no log: the config's
+        # kind until an engine's stats name its own (a pool may mix kinds)
+        self.enabled = config.engine.drafting.has_war_index
+        for e in self.engines:
+            e.has_war_index = self.enabled
         self.lead_in = int(config.engine.index.prompt_lead_in)
         self.log = CompletedSequenceLog()
         self._wire: dict[int, dict[str, Any]] = {}  # seq -> wire form, until every live replica has it
@@ -77,7 +82,7 @@ class LogShipper:
             return
         last = self.log.last_seq
         for e in self.engines:
-            if not e.healthy or e.log_sent >= last or e.last_sync_error:
+            if not e.has_war_index or not e.healthy or e.log_sent >= last or e.last_sync_error:
                 continue
             wire = self._wire_after(e.log_sent)
             try:
@@ -89,14 +94,14 @@ class LogShipper:
                 e.sync_failed(exc)
         if flush:
             for e in self.engines:
-                if e.healthy and not e.last_sync_error:
+                if e.has_war_index and e.healthy and not e.last_sync_error:
                     try:
                         await e.flush_log()
                     except EngineDead:
                         pass
                     except Exception as exc:  # noqa: BLE001
                         e.sync_failed(exc)
-        alive = [e.log_sent for e in self.engines if e.healthy and not e.last_sync_error]
+        alive = [e.log_sent for e in self.engines if e.has_war_index and e.healthy and not e.last_sync_error]
         if alive and min(alive) > self.log.first_seq:
             self.log.truncate(min(alive))
             first = self.log.first_seq
@@ -113,7 +118,7 @@ class LogShipper:
 
     async def attach(self, engine: EngineClient) -> bool:
         """Make ``engine``'s replica follow this log afresh from its first retained entry."""
-        if not self.enabled:
+        if not self.enabled or not engine.has_war_index:
             return True
         try:
             await engine.reset_index(self.owner, self.log.first_seq - 1)
@@ -129,5 +134,7 @@ class LogShipper:
         if not self.enabled:
             return
         for e, s in zip(self.engines, stats):
-            if e.healthy and (s.index_owner != self.owner or e.last_sync_error):
+            if s.speculation:
+                e.has_war_index = drafting_for(s.speculation).has_war_index
+            if e.has_war_index and e.healthy and (s.index_owner != self.owner or e.last_sync_error):
                 await self.attach(e)

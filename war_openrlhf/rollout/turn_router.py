@@ -102,7 +102,7 @@ class TurnRouter:
             eng.queued_tokens += budget
             attempts += 1
             try:
-                answer = await eng.generate_tokens(ctx.tolist(), sampling_params, trajectory_id, group_id,
+                answer = await eng.generate_tokens(ctx, sampling_params, trajectory_id, group_id,
                                                    timeout_s=self.config.turn_timeout_s)
             except EngineDead:
                 if attempts > self.config.engine_retries:
