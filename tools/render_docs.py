@@ -24,7 +24,10 @@ sys.path.insert(0, str(ROOT))
 
 from war_openrlhf.metrics.docs_tables import check_text, render_text, unsourced_tables  # noqa: E402
 
-DOCS = ["README.md", "docs/benchmarks.md"]
+#: the pages that state measured figures: every table in them renders from a file or is marked static
+TABLE_DOCS = ["README.md", "docs/benchmarks.md"]
+#: every page whose rendered regions are kept in step with their files (as tests/test_docs_tables.py checks)
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 def main(argv=None) -> int:
@@ -36,7 +39,7 @@ def main(argv=None) -> int:
     for name in args.files:
         path = ROOT / name
         text = path.read_text()
-        for line in unsourced_tables(text):
+        for line in (unsourced_tables(text) if name in TABLE_DOCS else []):
             print(f"{name}:{line}: a table with neither a result file nor the static mark")
             bad += 1
         if args.check:
