@@ -154,10 +154,15 @@ def test_forced_off_proposes_nothing_and_on_proposes_again(engine):
 
     assert ray.get(engine.set_speculation.remote("off")) == "on"
     before = _totals(engine)
-    _gen(engine, PROMPTS[0])
+    first = _gen(engine, PROMPTS[0])
+    # again, the context as the pool sends it (an int32 array): every step now on the off fast path
+    again = _gen(engine, np.asarray(PROMPTS[0], dtype=np.int32))
+    assert again["token_ids"] == first["token_ids"] and again["num_prompt_tokens"] == len(PROMPTS[0])
     mid = _totals(engine)
     assert mid["spec_draft_tokens"] == before["spec_draft_tokens"]
     assert mid["generation_tokens"] > before["generation_tokens"]
+    assert mid["requests_served"] == before["requests_served"] + 2
+    assert mid["request_seconds"] - before["request_seconds"] >= first["seconds"] * 0.5
     ray.get(engine.set_speculation.remote("on"))
     _gen(engine, PROMPTS[0])
     assert _totals(engine)["spec_draft_tokens"] > mid["spec_draft_tokens"]

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from war_openrlhf.engine.stats import EngineStats
 from war_openrlhf.engine.wire import entries_from_wire
 from war_openrlhf.rollout import RolloutConfig
 from war_openrlhf.rollout import log_shipper as shipper_module
@@ -112,8 +113,6 @@ class PlainReplica(Replica):
 
 
 def test_engines_whose_stats_name_no_replica_get_no_log_and_do_not_hold_back_truncation():
-    from war_openrlhf.engine.stats import EngineStats
-
     cfg = RolloutConfig(agent_func_path="agent.py", progress=False)
     replicas = [Replica(), PlainReplica(), Replica()]
     clients = [EngineClient(i, r) for i, r in enumerate(replicas)]
@@ -127,3 +126,16 @@ def test_engines_whose_stats_name_no_replica_get_no_log_and_do_not_hold_back_tru
     assert [len(r.received) for r in replicas] == [3, 0, 3]
     assert [c.sync_errors for c in clients] == [0, 0, 0] and clients[1].last_sync_error is None
     assert len(shipper.log) == 0  # the plain engine holds nothing back
+
+
+def test_with_no_replica_anywhere_the_log_keeps_nothing_and_nothing_is_shipped():
+    cfg = RolloutConfig(agent_func_path="agent.py", progress=False, engine={"speculation": "none"})
+    replicas = [PlainReplica(), PlainReplica()]
+    clients = [EngineClient(i, r) for i, r in enumerate(replicas)]
+    shipper = LogShipper(cfg, clients, owner="pool-x")
+    asyncio.run(shipper.attach_all([EngineStats(engine=i, speculation="none") for i in range(2)]))
+    for i in range(4):
+        shipper.record(f"t{i}", "g", 0, np.arange(10, dtype=np.int32), np.arange(3, dtype=np.int32))
+        asyncio.run(shipper.sync(flush=i == 3))
+    assert len(shipper.log) == 0 and shipper.log.last_seq == 4  # numbering goes on, entries do not pile up
+    assert [c.sync_errors for c in clients] == [0, 0] and all(r.received == [] for r in replicas)

@@ -42,9 +42,8 @@ class LogShipper:
         self.owner = owner  # the replicas follow this owner's log (a pool id)
         # engines without a replica (plain, or vLLM's own suffix method) get no log: the config's
         # kind until an engine's stats name its own (a pool may mix kinds)
-        self.enabled = config.engine.drafting.has_war_index
         for e in self.engines:
-            e.has_war_index = self.enabled
+            e.has_war_index = config.engine.drafting.has_war_index
         self.lead_in = int(config.engine.index.prompt_lead_in)
         self.log = CompletedSequenceLog()
         self._wire: dict[int, dict[str, Any]] = {}  # seq -> wire form, until every live replica has it
@@ -72,17 +71,20 @@ class LogShipper:
                 self._wire[e.seq] = w
         return [self._wire[e.seq] for e in entries]
 
+    def _receivers(self) -> list[EngineClient]:
+        """Engines whose replica follows this log now: a WAR replica, healthy, not refusing entries."""
+        return [e for e in self.engines if e.has_war_index and e.healthy and not e.last_sync_error]
+
     async def sync(self, flush: bool = False) -> None:
         """Ship entries each healthy engine has not seen yet; truncate what all have.
         ``flush``: also make every replica apply them now (end of a batch), instead of within
         the engine's lag bound. A dead engine is marked so and skipped; an engine that refuses
         the entries (its index was reset by another client) is counted in ``sync_errors`` and
-        re-attached at the next batch: drafting is lost there meanwhile, rollouts are not."""
-        if not self.enabled:
-            return
+        re-attached at the next batch: drafting is lost there meanwhile, rollouts are not.
+        With no engine holding a replica, nothing is shipped and the log keeps no entries."""
         last = self.log.last_seq
-        for e in self.engines:
-            if not e.has_war_index or not e.healthy or e.log_sent >= last or e.last_sync_error:
+        for e in self._receivers():
+            if e.log_sent >= last:
                 continue
             wire = self._wire_after(e.log_sent)
             try:
@@ -93,17 +95,20 @@ class LogShipper:
             except Exception as exc:  # noqa: BLE001 - reported, and repaired at the next batch
                 e.sync_failed(exc)
         if flush:
-            for e in self.engines:
-                if e.has_war_index and e.healthy and not e.last_sync_error:
-                    try:
-                        await e.flush_log()
-                    except EngineDead:
-                        pass
-                    except Exception as exc:  # noqa: BLE001
-                        e.sync_failed(exc)
-        alive = [e.log_sent for e in self.engines if e.has_war_index and e.healthy and not e.last_sync_error]
-        if alive and min(alive) > self.log.first_seq:
-            self.log.truncate(min(alive))
+            for e in self._receivers():
+                try:
+                    await e.flush_log()
+                except EngineDead:
+                    pass
+                except Exception as exc:  # noqa: BLE001
+                    e.sync_failed(exc)
+        if not any(e.has_war_index for e in self.engines):
+            upto = last  # no replica will ever read them
+        else:
+            alive = [e.log_sent for e in self._receivers()]
+            upto = min(alive) if alive else 0
+        if upto >= self.log.first_seq:
+            self.log.truncate(upto)
             first = self.log.first_seq
             for seq in [s for s in self._wire if s < first]:
                 del self._wire[seq]
@@ -118,7 +123,7 @@ class LogShipper:
 
     async def attach(self, engine: EngineClient) -> bool:
         """Make ``engine``'s replica follow this log afresh from its first retained entry."""
-        if not self.enabled or not engine.has_war_index:
+        if not engine.has_war_index:
             return True
         try:
             await engine.reset_index(self.owner, self.log.first_seq - 1)
@@ -131,8 +136,6 @@ class LogShipper:
     async def attach_all(self, stats: Sequence[EngineStats]) -> None:
         """Attach every healthy engine never attached, taken over by another owner since
         (``index_owner`` in ``stats``), or that refused entries."""
-        if not self.enabled:
-            return
         for e, s in zip(self.engines, stats):
             if s.speculation:
                 e.has_war_index = drafting_for(s.speculation).has_war_index
