@@ -128,3 +128,77 @@ def test_latency_table_ignores_idle_gaps_and_needs_both_sides():
 def test_bad_switch_config_is_named(kw, name):
     with pytest.raises(ValueError, match=f"SpecSwitchConfig.{name}"):
         SpecSwitchConfig(**kw)
+
+
+# ---------------------------------------------------------------- rule "model": one step curve
+from war_openrlhf.engine.step_cost import StepCurve  # noqa: E402
+
+
+def test_step_curve_against_brute_force_interpolation():
+    """The curve equals linear interpolation between its bins' (tokens, seconds), flat below the
+    smallest bin and continued by the last slope above the largest, at every point probed."""
+    rng = np.random.default_rng(3)
+    curve = StepCurve(ewma=1.0, min_samples=1)
+    truth = {}
+    for n in sorted(set(int(x) for x in rng.integers(1, 2000, size=40))):
+        t = 0.002 + 0.00003 * n + (0.0 if n < 500 else 0.00001 * (n - 500))
+        if curve.observe(n, t):
+            b = int(round(2 * np.log2(n)))
+            truth[b] = (n, t)  # ewma 1: a bin holds its last step
+    pts = sorted(truth.values())
+    xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+    for q in [0.5, 1, 3, 17, 250, 999, 1999, 5000]:
+        if q <= xs[0]:
+            want = ys[0]
+        elif q >= xs[-1]:
+            want = ys[-1] + max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0) * (q - xs[-1])
+        else:
+            want = float(np.interp(q, xs, ys))
+        assert curve.seconds(q) == pytest.approx(want, rel=1e-9)
+    assert curve.covers(xs[0] / 2) and not curve.covers(xs[-1] * 2.1)
+
+
+def test_step_curve_slope_is_the_price_of_a_draft_token():
+    cpu, gpu = StepCurve(ewma=1.0, min_samples=1), StepCurve(ewma=1.0, min_samples=1)
+    for n in (1, 2, 4, 8, 16, 32, 64, 128):
+        cpu.observe(n, compute_bound(n))
+        gpu.observe(n, memory_bound(n))
+    assert cpu.slope(10) == pytest.approx(0.0005)
+    assert gpu.slope(10) == pytest.approx(0.0)
+    assert gpu.slope(100) == pytest.approx(0.0002 * (128 - 64) / (128 - 64 * 2 ** 0.0), rel=0.6)
+
+
+def test_cost_aware_drafts_are_short_on_a_compute_bound_engine_and_long_on_a_memory_bound_one():
+    thresholds = {}
+    for name, curve in (("cpu", lambda n: 0.004 + 0.0005 * n), ("gpu", memory_bound)):
+        switch = SpecSwitch(SpecSwitchConfig(explore_every=4))
+        for _ in range(300):
+            on = switch.speculate
+            drafted = 2 * 6 if on else 0
+            switch.observe(2, drafted, 3 if on else 0, curve(2 + drafted), speculating=on, estimated=4.0 if on else None)
+        thresholds[name] = switch.min_token_prob
+    # gpu: the slope is ~0 below the roofline -> the floor; cpu: c * R / rho, well above it
+    assert thresholds["gpu"] == pytest.approx(SpecSwitchConfig().min_token_prob_floor)
+    rate = 2.5 * 2 / (0.004 + 0.0005 * 14)  # (1 + a) * b / T_on
+    assert thresholds["cpu"] == pytest.approx(min(0.0005 * rate / 0.75, 1.0), rel=0.1)
+
+
+def test_a_tail_through_falling_batches_is_not_spent_re_measuring():
+    """A synchronous step's tail: the batch falls 64 -> 1 on a memory-bound engine. Priced by one
+    curve, the switch spends few steps with drafting off where it pays (exploration only); a
+    table per batch bucket calibrates every bucket the tail passes through."""
+    def tail(rule):
+        switch = SpecSwitch(SpecSwitchConfig(rule=rule))
+        off_where_it_pays = steps = 0
+        for batch in [64] * 200 + [b for b in (32, 24, 16, 12, 8, 6, 4, 3, 2, 1) for _ in range(40)]:
+            on = switch.speculate
+            drafted = batch * 8 if on else 0
+            switch.observe(batch, drafted, batch * 3 if on else 0, memory_bound(batch + drafted),
+                           speculating=on, estimated=batch * 4.0 if on else None)
+            if batch <= 6:  # 3.5x more tokens a step for at most 1.0x the time: drafting pays
+                steps += 1
+                off_where_it_pays += not on
+        return off_where_it_pays / steps
+    model, buckets = tail("model"), tail("buckets")
+    assert model <= 0.1, model
+    assert model < buckets

@@ -537,3 +537,26 @@ def test_consistent_but_wrong_arrays_are_refused_even_with_a_fresh_checksum(tmp_
             np.savez(fh, **data)
         with pytest.raises(IndexFileError, match=expected):
             GlobalSuffixIndex.load(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), min_prob=st.sampled_from([0.0, 0.05, 0.3, 0.6, 0.9, 1.0]))
+def test_a_per_call_cut_off_drafts_as_an_index_configured_with_it(seed, min_prob):
+    """The engine's cost-aware cut-off (speculate_engine's min_token_prob) is the config's
+    min_token_prob for one call: same drafts as an index built with that value, and a higher
+    cut-off never drafts more."""
+    rng = np.random.default_rng(seed)
+    log = CompletedSequenceLog()
+    _fill(log, rng, 12, vocab=3)
+    per_call, configured = GlobalSuffixIndex(max_tree_depth=8), GlobalSuffixIndex(max_tree_depth=8, min_token_prob=min_prob)
+    for index in (per_call, configured):
+        index.sync(log)
+    for i in range(10):
+        ctx = np.asarray(rng.integers(0, 3, size=int(rng.integers(2, 12))), dtype=np.int32)
+        for index in (per_call, configured):
+            index.start_request(f"r{i}", ctx[:2])
+        got = per_call.speculate_engine(f"r{i}", ctx, 8, min_prob)
+        want = configured.speculate_engine(f"r{i}", ctx, 8)
+        assert (got.token_ids, got.source, round(got.score, 9)) == (want.token_ids, want.source, round(want.score, 9))
+        looser = per_call.speculate_engine(f"r{i}", ctx, 8, min_prob / 2)
+        assert len(got.token_ids) <= len(looser.token_ids) or looser.source != got.source

@@ -6,7 +6,9 @@ Configs, one real vLLM engine each (started one after the other, same prompts):
   off           vLLM without speculative decoding
   vllm_suffix   vLLM's per-engine suffix method (its cache warmed by the earlier round)
   war_off       WAR's engine with drafting forced off (what the switch chooses when off)
-  war_on        WAR's replica, forced on (pre-filled with the earlier round's records)
+  war_on        WAR's replica, forced on (pre-filled with the earlier round's records), drafts cut
+                where a token stops paying for its verification (the switch's cost-aware rule)
+  war_on_fixed_rule  the same with WAR's fixed rule (2x the match length, min prob 0.1)
   war_on_vllm_rule  the same with vLLM's draft rule (depth 24, max_spec_factor 1, min prob
                 0.1: vLLM's suffix defaults): same records, same rule, so the difference
                 to vllm_suffix is what WAR's drafter machinery costs
@@ -48,7 +50,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
 
-CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_auto")
+CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_on_fixed_rule", "war_auto")
 # vLLM 0.29's SpeculativeConfig suffix defaults (suffix_decoding_max_tree_depth, _max_spec_factor,
 # _min_token_prob): WAR's index configured to draft by the same rule.
 VLLM_SUFFIX_RULE = {"max_tree_depth": 24, "max_spec_factor": 1.0, "min_token_prob": 0.1}
@@ -101,9 +103,11 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                      for p, e in zip(prompts, earlier)]
             llm.collective_rpc(RPC_SEED_VLLM_SUFFIX_CACHE, args=(items,))
         if name.startswith("war"):
-            mode = {"war_on": "on", "war_on_vllm_rule": "on", "war_off": "off"}.get(name, "auto")
+            mode = {"war_on": "on", "war_on_vllm_rule": "on", "war_on_fixed_rule": "on", "war_off": "off"}.get(name, "auto")
             index_config = VLLM_SUFFIX_RULE if name == "war_on_vllm_rule" else {}
-            llm.collective_rpc(RPC_INSTALL_INDEX, args=(index_config, {}, mode))
+            # a fixed draft rule: the index's own min_token_prob, no cost-aware cut-off
+            switch_config = {"cost_aware_drafts": False} if name in ("war_on_vllm_rule", "war_on_fixed_rule") else {}
+            llm.collective_rpc(RPC_INSTALL_INDEX, args=(index_config, switch_config, mode))
             log = CompletedSequenceLog()
             for i, (p, e) in enumerate(zip(prompts, earlier)):
                 log.append(CompletedSequence.create(f"earlier{i}", "g", 0, p, e))

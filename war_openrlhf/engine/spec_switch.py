@@ -1,4 +1,5 @@
-"""Load-aware speculation switch: speculate only while it pays, decided from measurements.
+"""Load-aware speculation switch: speculate only while it pays, decided from measurements;
+and, from the same measurements, how sure a drafted token must be to be worth verifying.
 
 Why: a draft of ``k`` tokens is verified in the same forward pass as the real token.
 At low load decode is memory-bound and the extra tokens ride along almost free; at
@@ -7,13 +8,28 @@ costs real time and speculation slows the engine down. Which regime an engine is
 depends on the model, the hardware, the batch and the contexts, so it is measured,
 not configured.
 
-Model. For each batch-size bucket (log-spaced, two per doubling) the switch keeps an
-online estimate (EWMA) of the step latency with speculation, ``T_on(b)`` (at the
-draft lengths the engine actually proposes), and without, ``T_off(b)``, and of the
-accepted draft tokens per request-step ``a(b)``. Speculation emits ``1 + a`` tokens
-per request-step instead of 1, so the expected gain at batch ``b`` is
+Model. Speculation emits ``1 + a`` tokens per request-step instead of 1 (``a``: accepted
+draft tokens per request-step), so the expected gain at batch ``b`` is
 
-    gain(b) = (1 + a(b)) * T_off(b) / T_on(b)
+    gain(b) = (1 + a) * T_off(b) / T_on(b)
+
+``rule: model`` (default) prices both sides with one :class:`~.step_cost.StepCurve`, step
+seconds over the query tokens a step carries: ``T_off(b) = T(b)``, ``T_on(b) = T(b + d*b)``
+(``d``: draft tokens per request-step, ``a``: EWMAs over drafting steps), fed by steps of
+both sides, so a batch the engine has not run at is priced from its neighbours. Outside the
+measured range the curve gives bounds (a step costs no more for fewer tokens and no less per
+token for more); only when the bounds straddle the threshold is the missing side measured. ``rule: buckets`` keeps an EWMA of ``T_on``,
+``T_off`` and ``a`` per batch bucket (log-spaced, two per doubling), each bucket
+calibrated on both sides before it decides.
+
+Draft length (``cost_aware_drafts``). A drafted token whose chain the index estimates at
+probability ``p`` (arctic's ``prob``: the product of count ratios along the path, so ``p`` is
+the chance that it and every token before it are accepted) adds ``rho * p`` expected tokens
+(``rho``: measured accepted / estimated, over recent drafts) for ``c`` seconds, while the
+step produces ``R = (1 + a) * b / T_on`` tokens a second. It pays iff
+``rho * p / c > R``, so drafts stop at ``min_token_prob = c * R / rho`` (at least
+``min_token_prob_floor``): short on a compute-bound CPU, long on a memory-bound GPU,
+derived from measurements rather than set per device.
 
 Speculation stays on while ``gain > threshold + hysteresis`` and goes off when
 ``gain < threshold - hysteresis``. A bucket missing one side is calibrated by running
@@ -33,6 +49,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..config_checks import check_int, check_number
+from .step_cost import StepCurve
+
+RULES = ("model", "buckets")
 
 
 @dataclass
@@ -50,8 +69,14 @@ class SpecSwitchConfig:
     calibrate: bool = True
     settle_steps: int = 2
     enabled: bool = True  # False: never speculate (a kill switch, not a load rule)
+    rule: str = "model"
+    cost_aware_drafts: bool = True
+    min_token_prob_floor: float = 0.05
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"SpecSwitchConfig.rule: must be one of {', '.join(RULES)}, got {self.rule!r}")
+        check_number("SpecSwitchConfig", "min_token_prob_floor", self.min_token_prob_floor, ge=0, le=1)
         for name in ("window_steps", "min_samples"):
             check_int("SpecSwitchConfig", name, getattr(self, name), 1)
         for name in ("fallback_max_batch", "fallback_hysteresis_requests", "explore_every", "settle_steps"):
@@ -147,6 +172,12 @@ class SpecSwitch:
     def __init__(self, config: SpecSwitchConfig | None = None) -> None:
         self.config = config or SpecSwitchConfig()
         self.table = LatencyTable(self.config.ewma, self.config.min_samples)
+        self.curve = StepCurve(self.config.ewma, self.config.min_samples)
+        self._accepted_per_req: float | None = None  # EWMA over drafting steps
+        self._drafted_per_req = 0.0
+        self._estimated = 0.0  # decayed sums: tokens the index expected to be accepted / accepted
+        self._accepted = 0.0
+        self.min_token_prob: float | None = None  # None: the index's own min_token_prob
         self.speculate = self.config.enabled
         self._window_batch = 0.0
         self._steps_in_window = 0
@@ -163,11 +194,13 @@ class SpecSwitch:
 
     # ------------------------------------------------------------------ inputs
     def observe(self, requests: int, drafted: int, accepted: int, seconds: float,
-                speculating: bool | None = None) -> None:
+                speculating: bool | None = None, estimated: float | None = None) -> None:
         """One engine step: ``requests`` decoded, ``drafted`` draft tokens verified
         (summed over requests), ``accepted`` of them accepted, in ``seconds``.
         ``speculating``: whether drafting was on for this step (default: drafted > 0);
-        a step with drafting on that found no draft still counts as speculating."""
+        a step with drafting on that found no draft still counts as speculating.
+        ``estimated``: the accepted tokens the index expected of those drafts (the sum of
+        their chain probabilities), which calibrates the draft rule."""
         if requests <= 0:
             return
         self.steps += 1
@@ -181,6 +214,19 @@ class SpecSwitch:
             self._settling -= 1  # the first steps after a change carry the other side's state
         else:
             self.table.observe(requests, speculating, seconds, accepted / requests, drafted / requests)
+            self.curve.observe(requests + drafted, seconds)
+        if speculating:
+            w = self.config.ewma
+            a, d = accepted / requests, drafted / requests
+            if self._accepted_per_req is None:
+                self._accepted_per_req, self._drafted_per_req = a, d
+            else:
+                self._accepted_per_req += w * (a - self._accepted_per_req)
+                self._drafted_per_req += w * (d - self._drafted_per_req)
+            if estimated is not None and drafted > 0:
+                keep = 1.0 - w / 4
+                self._estimated = self._estimated * keep + float(estimated)
+                self._accepted = self._accepted * keep + float(accepted)
         self._window_batch += requests
         self._steps_in_window += 1
         if self._steps_in_window >= self.config.window_steps:
@@ -191,7 +237,45 @@ class SpecSwitch:
     # ------------------------------------------------------------------ decision
     def expected_gain(self, batch: float) -> float | None:
         """Throughput with speculation / without, at ``batch`` requests; None if unknown."""
-        return self.table.gain(batch)
+        if self.config.rule == "buckets":
+            return self.table.gain(batch)
+        bounds = self.gain_bounds(batch)
+        return None if bounds is None or bounds[0] != bounds[1] else bounds[0]
+
+    def gain_bounds(self, batch: float) -> tuple[float, float] | None:
+        """Rule model: ``(low, high)`` bounds on the gain at ``batch``; equal where the step curve
+        covers both token counts, apart where one lies outside the measured range (the
+        decision then needs measuring only if the bounds straddle the threshold)."""
+        if self._accepted_per_req is None:
+            return None
+        off = self.curve.bounds(batch)
+        on = self.curve.bounds(batch * (1.0 + self._drafted_per_req))
+        if off is None or on is None or not (off[0] > 0 and on[0] > 0):
+            return None
+        emitted = 1.0 + self._accepted_per_req
+        return emitted * off[0] / on[1], emitted * off[1] / on[0]
+
+    @property
+    def calibration(self) -> float | None:
+        """Accepted draft tokens / the tokens the index expected (recent drafts); None: none yet."""
+        if self._estimated < 1.0:
+            return None
+        return self._accepted / self._estimated
+
+    def draft_threshold(self, batch: float) -> float | None:
+        """``min_token_prob`` at which one more draft token stops paying at ``batch`` (see module
+        docstring); None until the drafting side is measured."""
+        cfg = self.config
+        if not cfg.cost_aware_drafts or self._accepted_per_req is None:
+            return None
+        on_tokens = batch * (1.0 + self._drafted_per_req)
+        t_on, cost = self.curve.seconds(on_tokens), self.curve.slope(on_tokens)
+        if t_on is None or cost is None or not t_on > 0:
+            return None
+        rate = (1.0 + self._accepted_per_req) * batch / t_on  # tokens a second
+        rho = self.calibration
+        rho = 1.0 if rho is None else min(max(rho, 0.05), 1.0)
+        return min(max(cost * rate / rho, cfg.min_token_prob_floor), 1.0)
 
     def _decide(self, batch: float) -> None:
         cfg = self.config
@@ -202,17 +286,27 @@ class SpecSwitch:
             self.speculate = self._decided = False
             self.last_reason = "disabled"
             return
-        gain = self.table.gain(batch)
+        gain = self.expected_gain(batch)
         self.last_gain = gain
-        if gain is not None:
+        self.min_token_prob = self.draft_threshold(batch)
+        bounds = self.gain_bounds(batch) if cfg.rule == "model" and gain is None else None
+        if bounds is not None and (bounds[0] > cfg.threshold + cfg.hysteresis
+                                   or bounds[1] < cfg.threshold - cfg.hysteresis):
+            # outside the measured range, but the decision does not depend on where
+            self._decided = bounds[0] > cfg.threshold + cfg.hysteresis
+            self.last_reason = "bounded"
+        elif gain is not None:
             if self._decided and gain < cfg.threshold - cfg.hysteresis:
                 self._decided = False
             elif not self._decided and gain > cfg.threshold + cfg.hysteresis:
                 self._decided = True
             self.last_reason = "measured"
         elif cfg.calibrate:
-            # run the side this batch bucket has not measured yet
-            self._override = not self.table.ready(batch, True)
+            # run the side not measured yet (rule buckets: in this batch bucket)
+            if cfg.rule == "buckets":
+                self._override = not self.table.ready(batch, True)
+            else:  # drafting first (it measures d and a), then the batch without drafts
+                self._override = self._accepted_per_req is None or self.curve.covers(batch)
             self.last_reason = "calibrating"
         else:
             if self._decided and batch > cfg.fallback_max_batch + cfg.fallback_hysteresis_requests:
@@ -228,7 +322,16 @@ class SpecSwitch:
     # ------------------------------------------------------------------ reporting
     @property
     def current_threshold_batch(self) -> float | None:
-        """Smallest measured batch at which speculation stops paying (None: never seen)."""
+        """Smallest batch at which speculation stops paying (None: never seen). Rule buckets: of
+        the measured buckets; rule model: of 1, 2, 4, ... 1024, priced by the model."""
+        if self.config.rule == "model":
+            for b in (2.0 ** i for i in range(11)):
+                gain = self.expected_gain(b)
+                if gain is None:
+                    return None
+                if gain <= self.config.threshold:
+                    return b
+            return None
         for p in self.table.points():
             if p["gain"] is not None and p["gain"] <= self.config.threshold:
                 return p["batch"]
@@ -243,6 +346,12 @@ class SpecSwitch:
             "threshold": self.config.threshold,
             "threshold_batch": self.current_threshold_batch,
             "decisions": self.decisions,
+            "rule": self.config.rule,
+            "min_token_prob": self.min_token_prob,
+            "draft_calibration": self.calibration,
+            "accepted_per_request_step": self._accepted_per_req,
+            "drafted_per_request_step": self._drafted_per_req,
+            "step_curve": self.curve.points(),
             "steps": self.steps,
             "spec_steps": self.spec_steps,
             "config": asdict(self.config),

@@ -39,7 +39,8 @@ class WarSuffixCache:
     - ``speculate`` returns the index's :class:`Draft` (``.token_ids``); the index's
       own config (spec factor, min prob, match window) decides, vLLM's
       ``max_spec_factor``/``min_token_prob`` arguments are ignored, ``max_spec_tokens``
-      is honoured.
+      is honoured; ``min_token_prob`` (set by the worker from the switch's cost-aware draft
+      rule; None: the index's) overrides the index's cut-off.
     - ``cached_requests`` is always empty: finished responses reach the replica as
       log records, never from this engine's own request ids (so vLLM never calls
       ``evict_cached_response``).
@@ -67,6 +68,8 @@ class WarSuffixCache:
     ) -> None:
         self.index = index
         self.enabled = True
+        self.min_token_prob: float | None = None
+        self.step_score = 0.0  # accepted tokens the drafts proposed since the last reset expect
         self._request_meta = request_meta
         self._in_batch = in_batch
         self._active: dict[str, str | None] = {}  # req_id -> trajectory_id it holds
@@ -161,13 +164,14 @@ class WarSuffixCache:
             return Draft()
         if max_spec_tokens is None:
             max_spec_tokens = self.max_tree_depth
-        draft = self.index.speculate_engine(req_id, np.asarray(context), int(max_spec_tokens))
+        draft = self.index.speculate_engine(req_id, np.asarray(context), int(max_spec_tokens), self.min_token_prob)
         if not draft.token_ids:
             c["empty_drafts"] += 1
             return draft
         c["drafts"][draft.source] += 1
         c["draft_tokens"][draft.source] += len(draft.token_ids)
         self._pending[req_id] = (draft.source, list(draft.token_ids))
+        self.step_score += draft.score
         return draft
 
     def stop_request(self, req_id: str) -> None:
@@ -185,6 +189,7 @@ class WarSuffixCache:
         c = self.counters
         return {
             "enabled": self.enabled,
+            "min_token_prob": self.min_token_prob,
             **{k: v for k, v in c.items() if not isinstance(v, dict)},
             "drafts": dict(c["drafts"]),
             "draft_tokens": dict(c["draft_tokens"]),

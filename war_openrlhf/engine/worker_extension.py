@@ -199,7 +199,10 @@ class WarWorkerExtension:
     def _war_apply_mode(self) -> None:
         mode = getattr(self, "_war_mode", "on")
         switch = getattr(self, "_war_switch", None)
-        self._war_cache().enabled = mode == "on" or (mode == "auto" and switch is not None and switch.speculate)
+        cache = self._war_cache()
+        cache.enabled = mode == "on" or (mode == "auto" and switch is not None and switch.speculate)
+        # the cost-aware draft cut-off applies whenever the switch has measured one (mode on too)
+        cache.min_token_prob = None if switch is None or mode == "off" else switch.min_token_prob
 
     def _war_wrap_propose(self, drafter: Any) -> None:
         """Time every engine step at the drafter (called once per step, after
@@ -213,7 +216,7 @@ class WarWorkerExtension:
             return
         original = drafter.propose
         worker = self
-        state = {"start": None, "drafted": 0, "enabled": False, "seen": set(), "active": True}
+        state = {"start": None, "drafted": 0, "estimated": 0.0, "enabled": False, "seen": set(), "active": True}
 
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             cache = getattr(worker, "_war_suffix_cache", None)
@@ -245,7 +248,8 @@ class WarWorkerExtension:
                 )
                 if requests and not prefill:
                     accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
-                    switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"])
+                    switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"],
+                                   estimated=state["estimated"])
                     worker._war_apply_mode()
             state["enabled"] = bool(cache is not None and cache.enabled)
             state["seen"] = set(input_batch.req_ids[: len(sampled_token_ids)])
@@ -256,12 +260,16 @@ class WarWorkerExtension:
                 for rid in list(cache.active_requests):
                     cache.stop_request(rid)
                 state["drafted"] = 0
+                state["estimated"] = 0.0
                 state["start"] = now
                 state["active"] = False
                 return [[] for _ in sampled_token_ids]
             state["active"] = True
+            if cache is not None:
+                cache.step_score = 0.0
             drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             state["drafted"] = sum(len(d) for d in drafts)
+            state["estimated"] = cache.step_score if cache is not None else 0.0  # what the index expects
             state["start"] = now
             return drafts
 

@@ -173,27 +173,31 @@ class GlobalSuffixIndex:
             raise ValueError(f"max_tokens: must be an int >= 0, got {max_tokens!r}")
         return self._speculate(state, as_token_array(context, "context"), max_tokens)
 
-    def speculate_engine(self, request_id: str, context: np.ndarray, max_tokens: int) -> Draft:
+    def speculate_engine(self, request_id: str, context: np.ndarray, max_tokens: int,
+                         min_token_prob: float | None = None) -> Draft:
         """:meth:`speculate` for the engine's hot path: ``context`` is a 1-D int32 slice of
         the engine's own token buffer (ids the engine sampled, so never negative) and
-        ``max_tokens`` an int; only the request id is checked."""
+        ``max_tokens`` an int; only the request id is checked. ``min_token_prob``: the engine's
+        cost-aware cut-off for this step (None: the config's)."""
         state = self._local.requests.get(request_id)
         if state is None:
             state = self._local.get(request_id)
         if context.dtype != np.int32 or context.ndim != 1 or not context.size:
             context = as_token_array(context, "context")
-        return self._speculate(state, context, max_tokens)
+        return self._speculate(state, context, max_tokens, min_token_prob)
 
-    def _speculate(self, state: RequestState, ctx: np.ndarray, max_tokens: int) -> Draft:
+    def _speculate(self, state: RequestState, ctx: np.ndarray, max_tokens: int,
+                   min_token_prob: float | None = None) -> Draft:
         if max_tokens <= 0:
             return Draft()
         cfg = self.config
+        min_prob = cfg.min_token_prob if min_token_prob is None else min_token_prob
         window = cfg.match_window or max(2, self._depth - max_tokens + 1)
         if ctx.size > window:
             ctx = ctx[-window:]
         if not ctx.flags.c_contiguous:
             ctx = np.ascontiguousarray(ctx)
-        args = (ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, cfg.min_token_prob, False)
+        args = (ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob, False)
         local, replica = self._local, self._replica
         # Candidates in tie-break order, each with its score weight.
         best = local.trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
