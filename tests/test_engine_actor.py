@@ -126,6 +126,34 @@ def test_log_entries_reach_the_replica_within_the_lag_bound(engine):
     assert done["war"]["index"]["applied_seq"] == stats0 + 1 and done["sync_lag_records"] == 0
 
 
+def test_a_running_turn_hands_out_its_new_tokens_as_in_flight_chunks(engine):
+    """In-flight sharing's source: while a turn (naming a trajectory and a group) generates, the
+    engine hands out what it has generated so far, in order, each chunk once."""
+    import ray
+
+    ray.get(engine.inflight_chunks.remote())  # whatever earlier turns left
+    sp = dict(temperature=0.0, max_tokens=400, ignore_eos=True)
+    ref = engine.generate_tokens.remote(PROMPTS[1], sp, trajectory_id="inflight-t", group_id="g")
+    chunks, during = [], 0
+    while True:
+        done, _ = ray.wait([ref], timeout=0.02)
+        got = ray.get(engine.inflight_chunks.remote())
+        chunks += got
+        if done:
+            break
+        during += len(got)
+    out = ray.get(ref)["token_ids"]
+    mine = [c for c in chunks if c["trajectory_id"] == "inflight-t"]
+    assert during > 0 and mine, chunks  # handed out while the turn ran
+    assert {c["key"] for c in mine} == {mine[0]["key"]} and mine[0]["key"].startswith("e0:")
+    assert all(c["group_id"] == "g" for c in mine)
+    tokens = []
+    for c in mine:
+        assert c["offset"] == len(tokens)  # consecutive, nothing handed out twice
+        tokens += np.frombuffer(c["token_ids"], dtype="<i4").tolist()
+    assert 8 <= len(tokens) <= len(out) and tokens == out[: len(tokens)]
+
+
 def test_a_burst_of_records_reaching_a_busy_engine_is_applied_between_steps_in_slices(engine):
     """Records pushed while the engine decodes are queued in the replica and applied a
     bounded slice per step (before drafting), not in one stall; all of them land."""

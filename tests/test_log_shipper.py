@@ -23,6 +23,11 @@ class Replica:
     def __init__(self) -> None:
         self.received: list[dict] = []
         self.flushes = 0
+        self.outbox: list[dict] = []  # in-flight chunks the engine's worker would hand out
+
+    async def inflight_chunks(self):
+        out, self.outbox = self.outbox, []
+        return out
 
     async def push_log(self, wire):
         self.received.extend(wire)
@@ -139,3 +144,29 @@ def test_with_no_replica_anywhere_the_log_keeps_nothing_and_nothing_is_shipped()
         asyncio.run(shipper.sync(flush=i == 3))
     assert len(shipper.log) == 0 and shipper.log.last_seq == 4  # numbering goes on, entries do not pile up
     assert [c.sync_errors for c in clients] == [0, 0] and all(r.received == [] for r in replicas)
+
+
+def test_in_flight_chunks_of_one_engine_reach_every_replica_in_log_order():
+    from war_openrlhf.engine.wire import tokens_to_bytes
+
+    shipper, replicas, _ = _shipper(2)
+    replicas[0].outbox = [{"key": "e0:r1", "trajectory_id": "t1", "group_id": "g", "offset": 0,
+                           "token_ids": tokens_to_bytes(np.array([5, 6, 7]))}]
+    asyncio.run(shipper.sync())
+    shipper.record("t1", "g", 0, np.arange(10, dtype=np.int32), np.array([5, 6, 7, 8], dtype=np.int32))
+    asyncio.run(shipper.sync())
+    for r in replicas:
+        entries = entries_from_wire(r.received)
+        assert [e.seq for e in entries] == [1, 2]
+        assert entries[0].chunk.key == "e0:r1" and entries[0].chunk.token_ids.tolist() == [5, 6, 7]
+        assert entries[1].record.trajectory_id == "t1"
+    assert shipper.inflight_chunks == 1 and shipper.errors == 0
+
+
+def test_without_in_flight_sharing_no_engine_is_asked_for_chunks():
+    cfg = RolloutConfig(agent_func_path="agent.py", progress=False, engine={"index": {"inflight_sharing": False}})
+    replica = Replica()
+    replica.outbox = [{"key": "k", "trajectory_id": "t", "group_id": "g", "offset": 0, "token_ids": b"\x01\x00\x00\x00"}]
+    shipper = LogShipper(cfg, [EngineClient(0, replica)], owner="pool-x")
+    asyncio.run(shipper.sync())
+    assert replica.outbox and replica.received == []

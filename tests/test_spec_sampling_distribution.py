@@ -82,13 +82,14 @@ async def _campaign(model_path: Path, hf_model) -> dict:
         await fill_index_with_own_samples(engine, prompts, n=200, new_tokens=NEW_TOKENS)
         results = [await run_check(engine, hf_model, prompts, s, n_per_prompt=N_PER_PROMPT, new_tokens=NEW_TOKENS,
                                    n_settings=len(SETTINGS)) for s in SETTINGS]
+        sources = (await engine.stats())["war"]["drafts"]  # where the checked drafts came from
         try:  # last: without the fix it kills the engine
             seeded = await _seeded_flood(engine)
         except Exception as exc:  # noqa: BLE001 - reported by its own test
             seeded = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         await engine.shutdown()
-    return {"fixes": report, "results": results, "seeded": seeded}
+    return {"fixes": report, "results": results, "seeded": seeded, "sources": sources}
 
 
 # the campaign (a tiny model built, engines started) runs inside the timeout of the first test
@@ -131,6 +132,15 @@ def test_speculation_samples_the_same_distribution(campaign, index):
     assert not result.failures(), "\n".join(result.failures()) + "\n" + result.table()
     assert result.extra["drafted_tokens"] > 2000, result.extra  # the check exercised verification
     assert result.acceptance >= 0.15, f"only {result.acceptance:.3f} of drafted tokens accepted: the check is weak"
+
+
+@CAMPAIGN_TIMEOUT
+def test_the_checked_drafts_came_from_finished_and_in_flight_siblings(campaign):
+    """Exactness covers in-flight sharing: a share of the verified drafts came from the group's
+    in-flight tree (turns still generating), the rest mostly from finished records."""
+    sources = campaign["sources"]
+    assert sources["inflight"] > 0.1 * sum(sources.values()), sources
+    assert sources["global"] > 0, sources
 
 
 @CAMPAIGN_TIMEOUT

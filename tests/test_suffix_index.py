@@ -560,3 +560,84 @@ def test_a_per_call_cut_off_drafts_as_an_index_configured_with_it(seed, min_prob
         assert (got.token_ids, got.source, round(got.score, 9)) == (want.token_ids, want.source, round(want.score, 9))
         looser = per_call.speculate_engine(f"r{i}", ctx, 8, min_prob / 2)
         assert len(got.token_ids) <= len(looser.token_ids) or looser.source != got.source
+
+
+def _chunk(key, traj, group, offset, tokens):
+    from war_openrlhf.speculation import InflightChunk
+
+    return InflightChunk.create(key, traj, group, offset, tokens)
+
+
+def test_sibling_still_generating_on_engine_a_drafts_on_engine_b():
+    """In-flight sharing: the first tokens of s1's turn reach engine B's replica as a chunk while s1
+    still generates; s7 of the same group drafts from them; a request of another group does not."""
+    log = CompletedSequenceLog()
+    engine_b = GlobalSuffixIndex()
+    prompt, answer = list(range(100, 140)), list(range(500, 540))
+    engine_b.start_request("s7/turn0", prompt, group_id="task7", trajectory_id="s7")
+    engine_b.start_request("x/turn0", prompt, group_id="task8", trajectory_id="x")
+    log.append_chunk(_chunk("e0:r1", "s1", "task7", 0, answer[:12]))
+    log.append_chunk(_chunk("e0:r1", "s1", "task7", 12, answer[12:30]))
+    engine_b.sync(log)
+    draft = engine_b.speculate("s7/turn0", prompt + answer[:4], 16)
+    assert draft.source == "inflight" and draft.token_ids == answer[4:12]  # 2x the 4-token match
+    assert engine_b.speculate("x/turn0", prompt + answer[:4], 16).token_ids == []
+    assert engine_b.stats()["inflight_turns"] == 1 and engine_b.stats()["inflight_tokens"] == 30
+
+
+def test_a_record_closes_its_turn_a_late_chunk_is_ignored_a_new_version_clears_all():
+    log = CompletedSequenceLog()
+    replica = GlobalSuffixIndex(prompt_lead_in=0)
+    answer = list(range(500, 540))
+    replica.start_request("s7", [1, 2, 3], group_id="g", trajectory_id="s7")
+    log.append_chunk(_chunk("e0:r1", "s1", "g", 0, answer[:20]))
+    log.append_chunk(_chunk("e0:r1", "s1", "g", 0, answer[:20]))  # a repeat adds nothing
+    log.append_chunk(_chunk("e1:r2", "s2", "g", 0, [9, 9, 9, 9]))
+    replica.sync(log)
+    assert replica.stats()["inflight_tokens"] == 24 and replica.stats()["inflight_turns"] == 2
+    log.append(CompletedSequence.create("s1", "g", 0, [0], answer))  # s1's turn finished
+    log.append_chunk(_chunk("e0:r1", "s1", "g", 20, answer[20:]))  # late: after its record
+    replica.sync(log)
+    st = replica.stats()
+    assert st["inflight_turns"] == 1 and st["inflight_late_chunks"] == 1
+    assert replica.speculate("s7", [1, 2, 3] + answer[:4], 8).source == "global"  # the record now
+    log.advance_policy_version(1)
+    replica.sync(log)
+    assert replica.stats()["inflight_turns"] == 0
+
+
+def test_in_flight_chunks_are_ignored_when_sharing_is_off_and_keep_replicas_converged():
+    rng = np.random.default_rng(5)
+    log = CompletedSequenceLog()
+    for i in range(30):
+        traj = f"t{i % 5}"
+        if rng.random() < 0.3:
+            log.append(CompletedSequence.create(traj, f"g{i % 2}", 0, [1], rng.integers(0, 4, 12).tolist()))
+        else:
+            log.append_chunk(_chunk(f"e{i % 2}:{traj}:{i // 5}", traj, f"g{i % 2}", 0, rng.integers(0, 4, 6).tolist()))
+    off = GlobalSuffixIndex(inflight_sharing=False)
+    off.sync(log)
+    assert off.stats()["inflight_turns"] == 0 and off.stats()["inflight_chunks"] == 0
+    a, b = GlobalSuffixIndex(max_tree_depth=8), GlobalSuffixIndex(max_tree_depth=8)
+    a.sync(log)
+    for start in range(0, log.last_seq, 7):  # another batching, applied slice by slice
+        b.enqueue(log.read(start, 7))
+        b.work(1e-6)
+    b.work(None)
+    for index in (a, b):
+        index.start_request("probe", [0], group_id="g0")
+    ctxs = [rng.integers(0, 4, 6).tolist() for _ in range(20)]
+    assert [a.speculate("probe", c, 4).token_ids for c in ctxs] == [b.speculate("probe", c, 4).token_ids for c in ctxs]
+    assert a.stats()["inflight_tokens"] == b.stats()["inflight_tokens"]
+
+
+def test_chunk_entries_cross_the_wire_unchanged():
+    from war_openrlhf.engine.wire import entries_from_wire, entries_to_wire
+
+    log = CompletedSequenceLog()
+    log.append_chunk(_chunk("e3:req-1", "traj", "grp", 17, [5, 6, 7]))
+    (entry,) = entries_from_wire(entries_to_wire(log.read(0)))
+    assert entry.chunk.key == "e3:req-1" and entry.chunk.offset == 17 and entry.chunk.token_ids.tolist() == [5, 6, 7]
+    assert entry.record is None and entry.policy_version is None
+    with pytest.raises(ValueError, match="offset"):
+        _chunk("k", "t", "g", -1, [1])

@@ -202,3 +202,51 @@ def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):
     bad.write_text("{")
     with pytest.raises(SystemExit, match="cannot read the benchmark JSON"):
         mod.main([str(bad), "--out", str(tmp_path / "x.png")])
+
+
+def test_a_recorded_run_replays_as_the_same_work(engines, tmp_path):
+    """bench_rollout's equal work for task workloads: a run's episodes, turned into replay rows
+    (war_openrlhf.traces.recorded), replay with every turn at its recorded length and the
+    recorded environment text between turns."""
+    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
+    from war_openrlhf.traces.recorded import replay_rows
+
+    model, handles = engines
+    rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
+    cfg = RolloutConfig(num_engines=1, engine={"model": str(model), "max_model_len": 1024},
+                        agent_func_path=str(AGENT), max_context_tokens=1024, max_new_tokens_per_turn=None,
+                        progress=False, max_turns=16)
+    pool = RolloutPool(cfg, handles, agent_cls=load_agent_class(AGENT))
+    first = pool.run_batch([r["prompt"] for r in rows], [r["label"] for r in rows], n_samples_per_prompt=2)
+    decode = lambda ids: pool.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    replay = replay_rows(first.trajectories, decode)
+    assert len(replay) == len(rows)
+    for traj in first.trajectories:
+        label = next(json.loads(r["label"]) for r in replay if json.loads(r["label"])["task"] == traj.group_id)
+        trial = next(t for t in label["trials"] if t["trajectory_id"] == traj.trajectory_id)
+        assert trial["lengths"] == [t.end - t.start for t in traj.turns]
+        assert trial["delays"][:-1] == [round(t.tool_s, 6) for t in traj.turns[:-1]] and trial["delays"][-1] == 0.0
+        text = decode(traj.token_ids)
+        assert len(trial["observations"]) == len(traj.turns) - 1 and all(o in text for o in trial["observations"])
+    again = pool.run_batch([r["prompt"] for r in replay], [r["label"] for r in replay], n_samples_per_prompt=2)
+    assert sorted(tuple(t.end - t.start for t in tr.turns) for tr in again.trajectories) == \
+        sorted(tuple(t.end - t.start for t in tr.turns) for tr in first.trajectories)
+    assert again.generated_tokens == first.generated_tokens
+
+
+def test_replay_rows_count_episodes_without_a_turn_and_refuse_an_empty_group():
+    from types import SimpleNamespace as NS
+
+    from war_openrlhf.traces.recorded import replay_rows
+
+    turn = NS(start=3, end=5, tool_s=0.25)
+    last = NS(start=7, end=8, tool_s=0.0)
+    full = NS(trajectory_id="a/0", group_id="a", prompt="p", token_ids=[1, 2, 3, 10, 11, 20, 21, 12], turns=[turn, last])
+    empty = NS(trajectory_id="a/1", group_id="a", prompt="p", token_ids=[1, 2, 3], turns=[])
+    rows = replay_rows([full, empty], lambda ids: ",".join(map(str, ids)))
+    label = json.loads(rows[0]["label"])
+    assert label["skipped_episodes"] == 1 and len(label["trials"]) == 1
+    assert label["trials"][0] | {} == {"trial": 0, "lengths": [2, 1], "observations": ["20,21"], "delays": [0.25, 0.0],
+                                      "trajectory_id": "a/0"}
+    with pytest.raises(ValueError, match="group 'b'"):
+        replay_rows([NS(trajectory_id="b/0", group_id="b", prompt="q", token_ids=[1], turns=[])], str)

@@ -28,6 +28,8 @@ Configurations (``--configs``):
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
 * ``war_sched_only``: ``war`` dispatch, speculation ``off``.
+* ``war_finished_only``: ``war`` with in-flight sharing off: replicas draft from finished turns
+  only (the ablation of sharing a GRPO group's running turns across engines).
 * ``war_kv_events``: ``war`` whose model of each engine's prefix cache is corrected by vLLM's
   KV-cache events (``kv_events``: what the engine stored and evicted) instead of only its own
   block-hash bookkeeping. Every WAR configuration records the dispatcher's estimate of each
@@ -81,7 +83,9 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_dynamo_kv": ("dynamo_kv", "auto"),
     "war_verl_kv_aware": ("verl_kv_aware", "auto"),
     "war_kv_events": ("war", "auto"),  # war whose cache model is corrected by vLLM's KV events
+    "war_finished_only": ("war", "auto"),  # war without in-flight sharing
 }
+NO_INFLIGHT_CONFIGS = ("war_finished_only",)
 KV_EVENT_CONFIGS = ("war_kv_events",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
@@ -131,6 +135,37 @@ def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_l
     rows = mod.generate_from_traces(path, split=split, seed=seed, tool_latency_s=tool_latency,
                                     jitter_sigma=jitter, per_env_token_s=per_env_token, max_groups=max_groups)
     return rows, ROOT / "examples" / "trace_replay" / "agent.py"
+
+
+TRACE_AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
+
+
+def record_task_episodes(rows, n, agent_file, model, tokenizer, args, dtype, cuda) -> list[dict]:
+    """Equal work for a task workload: run its episodes once on plain engines (free sampling,
+    the task's own tools, WAR's pool without drafting) and return them as trace-replay rows
+    (``war_openrlhf.traces.recorded``): every configuration then replays them, each turn forced
+    to its recorded length after the recorded environment text and tool time."""
+    import ray
+
+    from war_openrlhf.engine.actors import create_war_engines
+    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
+    from war_openrlhf.traces.recorded import replay_rows
+
+    cfg = RolloutConfig(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=256,
+                        max_context_tokens=args.max_len, max_new_tokens_per_turn=None,
+                        temperature=args.temperature, seed=args.seed, progress=False, n_samples_per_prompt=n,
+                        dispatch_policy="least_loaded", dispatch_kwargs={"n_samples_per_prompt": n},
+                        engine=dict(model=str(model), dtype=dtype, max_model_len=args.max_len,
+                                    enforce_eager=not cuda, speculation="none"))
+    handles = create_war_engines(args.engines, cfg.engine, placement_group=True)
+    try:
+        pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=load_agent_class(agent_file))
+        res = pool.run_batch([r["prompt"] for r in rows], [r["label"] for r in rows])
+    finally:
+        for h in handles:
+            ray.get(h.shutdown.remote())
+            ray.kill(h)
+    return replay_rows(res.trajectories, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> list:
@@ -231,12 +266,17 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
 
     policy, mode = WAR_CONFIGS[name]
     ray.get([h.reset_prefix_cache.remote() for h in handles])  # the pool resets the suffix index
-    ray.get([h.set_speculation.remote(mode) for h in handles])
+    if cfg_kwargs["engine"].get("speculation", "auto") != "none":  # plain engines have no switch
+        ray.get([h.set_speculation.remote(mode) for h in handles])
     kw = dict(cfg_kwargs)
     if policy == "least_loaded":
         kw["dispatch_kwargs"] = {"n_samples_per_prompt": n}
     kw["record_cache_estimates"] = True
     kw["kv_events"] = name in KV_EVENT_CONFIGS
+    if name in NO_INFLIGHT_CONFIGS:  # the pool collects no in-flight chunks: replicas see finished turns only
+        engine = dict(kw["engine"])
+        engine["index"] = {**dict(engine.get("index") or {}), "inflight_sharing": False}
+        kw["engine"] = engine
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
     before = asyncio.run(pool.engine_stats())
@@ -314,7 +354,8 @@ def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, w
     from war_openrlhf.baselines.openrlhf_rollout import run_openrlhf_rollout
 
     if war_engines:  # OpenRLHF's path on WAR engines: vLLM as OpenRLHF runs it (no drafting)
-        ray.get([h.set_speculation.remote("off") for h in engines])
+        if ray.get(engines[0].stats.remote())["speculation"] != "none":
+            ray.get([h.set_speculation.remote("off") for h in engines])
         ray.get([h.reset_prefix_cache.remote() for h in engines])
 
     before = _vllm_counters(engines)
@@ -379,6 +420,12 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--war-engines", choices=("auto", "none"), default="auto",
+                    help="the WAR pool's engines: auto (WAR's drafting engines, the switch decides) or none "
+                         "(plain vLLM engines: nothing drafts; what a pool that never drafts runs)")
+    ap.add_argument("--free-sampling", action="store_true",
+                    help="task workloads: every configuration samples its own episodes (different work per "
+                         "run: compare tok/s) instead of replaying one recorded run's (equal work, the default)")
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
     ap.add_argument("--cost-model", default=None, metavar="FILE.json",
                     help="traces: also run the workload through the simulator with this fitted cost model "
@@ -423,6 +470,7 @@ def main(argv=None):
         model = resolve_model(args.model or "policy")
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         tool_text = "the task's own tools"
+
     elif args.workload.startswith("traces:"):
         rows, agent_file = load_traces(args.workload, args.split, args.max_groups, args.seed, args.tool_latency,
                                        args.tool_jitter, args.per_env_token)
@@ -443,11 +491,25 @@ def main(argv=None):
         raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one {args.max_len}-token episode (--max-len); "
                          "a real engine's KV always holds one max-length sequence")
     cuda = cuda_available()
-    agent_cls = load_agent_class(agent_file)
     ray.init(num_cpus=None if cuda else 4 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     dtype = "bfloat16" if cuda else "float32"
+    equal_work = None
+    if args.workload.startswith("task:") and not args.free_sampling:
+        # equal work: one free-sampled run's episodes, replayed by every configuration
+        rows = record_task_episodes(rows, n, agent_file, model, tokenizer, args, dtype, cuda)
+        agent_file = TRACE_AGENT
+        prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
+        n = min(len(json.loads(r["label"])["trials"]) for r in rows)
+        recorded = [t for r in rows for t in json.loads(r["label"])["trials"]]
+        equal_work = {"episodes": len(recorded), "turns": sum(len(t["lengths"]) for t in recorded),
+                      "forced_tokens": sum(sum(t["lengths"]) for t in recorded),
+                      "skipped_episodes": sum(json.loads(r["label"]).get("skipped_episodes", 0) for r in rows)}
+        tool_text = (f"the task's own tools, one free-sampled run replayed ({equal_work['episodes']} episodes, "
+                     f"{equal_work['turns']} turns, {equal_work['forced_tokens']:,} forced tokens, tool times as recorded)")
+    agent_cls = load_agent_class(agent_file)
     engine_kw = dict(model=str(model), dtype=dtype, max_model_len=args.max_len, enforce_eager=not cuda,
+                     speculation=args.war_engines,
                      num_speculative_tokens=args.num_speculative_tokens)
     cfg_kwargs = dict(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=256,
                       max_context_tokens=args.max_len, max_new_tokens_per_turn=None,
@@ -527,6 +589,7 @@ def main(argv=None):
                "model": str(model), "engines": args.engines, "same_engines": args.same_engines,
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
                "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
+               "equal_work": equal_work,
                "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
                "calibration": calibration, "configs": summary, "runs": results,
                # what re-creates the trace workload (tools/resimulate_rollout.py reads it)
@@ -538,8 +601,9 @@ def main(argv=None):
     write()  # the measurements are on disk before anything else can fail
     simulated = None
     if args.cost_model:
-        if not args.workload.startswith("traces:"):
-            raise SystemExit("--cost-model: the simulator replays trace workloads (traces:FILE) only")
+        if not (args.workload.startswith("traces:") or equal_work):
+            raise SystemExit("--cost-model: the simulator replays trace workloads and recorded task runs "
+                             "(not --free-sampling) only")
         sim = simulate_configs(replay_trajectories(rows, tokenizer, n, args.seed), args.cost_model, args.engines,
                                kv_tokens, summary)
         simulated = {c: v["x_openrlhf"] for c, v in sim.items()}

@@ -228,9 +228,12 @@ async def _sample(engine: Any, prompt: Sequence[int], n: int, new_tokens: int, s
     return np.array([o["token_ids"] for o in outs], dtype=np.int64)
 
 
-async def fill_index_with_own_samples(engine: Any, prompts: Sequence[Sequence[int]], n: int, new_tokens: int) -> int:
-    """Push ``n`` sequences per prompt, sampled at temperature 1 with speculation off, as records."""
-    from ..speculation import CompletedSequence, CompletedSequenceLog
+async def fill_index_with_own_samples(engine: Any, prompts: Sequence[Sequence[int]], n: int, new_tokens: int,
+                                      inflight_every: int | None = 2) -> int:
+    """Push ``n`` sequences per prompt, sampled at temperature 1 with speculation off: as records,
+    and every ``inflight_every``-th as the in-flight chunks of a turn still generating in the
+    prompt's group (never closed), so that drafts come from both sources."""
+    from ..speculation import CompletedSequence, CompletedSequenceLog, InflightChunk
 
     await engine.set_speculation("off")
     log = CompletedSequenceLog()
@@ -238,7 +241,13 @@ async def fill_index_with_own_samples(engine: Any, prompts: Sequence[Sequence[in
                                      for i, prompt in enumerate(prompts)])
     for i, (prompt, seqs) in enumerate(zip(prompts, batches)):
         for j, s in enumerate(seqs):
-            log.append(CompletedSequence.create(f"fill{i}-{j}", f"p{i}", 0, prompt, s))
+            if inflight_every and j % inflight_every == inflight_every - 1:
+                half = len(s) // 2
+                for offset, part in ((0, s[:half]), (half, s[half:])):
+                    if len(part):
+                        log.append_chunk(InflightChunk.create(f"fill:{i}-{j}", f"fill{i}-{j}", f"p{i}", offset, part))
+            else:
+                log.append(CompletedSequence.create(f"fill{i}-{j}", f"p{i}", 0, prompt, s))
     await engine.push_log(log.read(0))
     await engine.flush_log()
     return len(log)

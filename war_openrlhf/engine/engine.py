@@ -40,6 +40,7 @@ from .rpc import (
     RPC_LOAD_WEIGHTS,
     RPC_SET_MODE,
     RPC_SET_SWITCH,
+    RPC_TAKE_INFLIGHT,
     war_engine_kwargs,
     war_extra_args,
 )
@@ -360,6 +361,14 @@ class WarEngine:
         dispatcher's block hashes (:mod:`.kv_events`); [] unless ``config.kv_events``. One
         caller (the pool's sync loop), so consecutive calls hand out consecutive events."""
         return self._kv_events.drain() if self._kv_events is not None else []
+
+    async def inflight_chunks(self) -> list:
+        """New tokens of this engine's running turns (those naming a trajectory and a group) since
+        the last call, as in-flight chunk wire dicts keyed ``e<engine>:<request id>``; [] on an
+        engine without a WAR replica. One caller (the pool's log sync)."""
+        if not self.config.drafting.has_war_index or self.llm is None:
+            return []
+        return await self._rpc(RPC_TAKE_INFLIGHT, f"e{self.engine_index}:")
 
     def get_num_unfinished_requests(self) -> int:
         return self.llm.get_num_unfinished_requests()

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from war_openrlhf.speculation.log import LogEntry
-from war_openrlhf.speculation.records import CompletedSequence
+from war_openrlhf.speculation.records import CompletedSequence, InflightChunk
 
 __all__ = [
     "entries_from_wire",
@@ -85,6 +85,10 @@ def entries_to_wire(entries: Iterable[LogEntry]) -> list[dict[str, Any]]:
                 "prompt_token_ids": tokens_to_bytes(r.prompt_token_ids),
                 "response_token_ids": tokens_to_bytes(r.response_token_ids),
             }
+        if e.chunk is not None:
+            c = e.chunk
+            item["chunk"] = {"key": c.key, "trajectory_id": c.trajectory_id, "group_id": c.group_id,
+                             "offset": int(c.offset), "token_ids": tokens_to_bytes(c.token_ids)}
         out.append(item)
     return out
 
@@ -110,7 +114,13 @@ def entries_from_wire(items: Iterable[LogEntry | Mapping[str, Any]]) -> list[Log
                 tokens_from_wire(rec["prompt_token_ids"], f"entries[{i}].record.prompt_token_ids"),
                 tokens_from_wire(rec["response_token_ids"], f"entries[{i}].record.response_token_ids"),
             )
-        out.append(LogEntry(seq=int(item["seq"]), record=record, policy_version=item.get("policy_version")))
+        ch = item.get("chunk")
+        chunk = None
+        if ch is not None:
+            chunk = InflightChunk.create(ch["key"], ch["trajectory_id"], ch["group_id"], ch["offset"],
+                                         tokens_from_wire(ch["token_ids"], f"entries[{i}].chunk.token_ids"))
+        out.append(LogEntry(seq=int(item["seq"]), record=record, policy_version=item.get("policy_version"),
+                            chunk=chunk))
     return out
 
 

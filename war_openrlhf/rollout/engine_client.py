@@ -130,6 +130,9 @@ class EngineClient:
     async def kv_events(self) -> list:
         return await self._call("kv_events")
 
+    async def inflight_chunks(self) -> list:
+        return await self._call("inflight_chunks")
+
     async def reset_prefix_cache(self) -> None:
         await self._call("reset_prefix_cache")
 

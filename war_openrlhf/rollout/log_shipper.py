@@ -25,7 +25,8 @@ import numpy as np
 from ..engine.drafting import drafting_for
 from ..engine.stats import EngineStats
 from ..engine.wire import entries_to_wire
-from ..speculation import CompletedSequence, CompletedSequenceLog
+from ..engine.wire import tokens_from_wire
+from ..speculation import CompletedSequence, CompletedSequenceLog, InflightChunk
 from .config import RolloutConfig
 from .engine_client import EngineClient, EngineDead
 
@@ -45,6 +46,8 @@ class LogShipper:
         for e in self.engines:
             e.has_war_index = config.engine.drafting.has_war_index
         self.lead_in = int(config.engine.index.prompt_lead_in)
+        self.inflight = bool(config.engine.index.inflight_sharing)
+        self.inflight_chunks = 0
         self.log = CompletedSequenceLog()
         self._wire: dict[int, dict[str, Any]] = {}  # seq -> wire form, until every live replica has it
         self.errors = 0  # background sync failures (logged)
@@ -82,6 +85,8 @@ class LogShipper:
         the entries (its index was reset by another client) is counted in ``sync_errors`` and
         re-attached at the next batch: drafting is lost there meanwhile, rollouts are not.
         With no engine holding a replica, nothing is shipped and the log keeps no entries."""
+        if self.inflight:
+            await self._collect_inflight()
         last = self.log.last_seq
         for e in self._receivers():
             if e.log_sent >= last:
@@ -112,6 +117,24 @@ class LogShipper:
             first = self.log.first_seq
             for seq in [s for s in self._wire if s < first]:
                 del self._wire[seq]
+
+    async def _collect_inflight(self) -> None:
+        """Put the receiving engines' new in-flight tokens on the log (a failed engine is skipped:
+        its siblings draft a little less until the next sync)."""
+        for e in self._receivers():
+            try:
+                chunks = await e.inflight_chunks()
+            except EngineDead:
+                continue
+            except Exception:  # noqa: BLE001 - drafting degrades, rollouts go on
+                self.errors += 1
+                log.exception("in-flight chunks from engine %d failed (rollouts go on)", e.index)
+                continue
+            for i, c in enumerate(chunks):
+                self.log.append_chunk(InflightChunk.create(
+                    c["key"], c["trajectory_id"], c["group_id"], c["offset"],
+                    tokens_from_wire(c["token_ids"], f"engine {e.index} chunk {i}: token_ids")))
+            self.inflight_chunks += len(chunks)
 
     async def sync_in_background(self) -> None:
         """One background round: a failure is logged and counted; rollouts go on."""

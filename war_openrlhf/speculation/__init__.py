@@ -11,11 +11,12 @@
 
 from .index import Draft, GlobalSuffixIndex, IndexFileError, SuffixIndexConfig
 from .log import CompletedSequenceLog, LogEntry, LogTruncatedError
-from .records import CompletedSequence, as_token_array
+from .records import CompletedSequence, InflightChunk, as_token_array
 
 __all__ = [
     "CompletedSequence",
     "CompletedSequenceLog",
+    "InflightChunk",
     "Draft",
     "GlobalSuffixIndex",
     "IndexFileError",

@@ -50,7 +50,7 @@ class Draft:
     probs: list[float] = field(default_factory=list)
     score: float = 0.0
     match_len: int = 0
-    source: str = "none"  # "request" | "group" | "live" | "global" | "none"
+    source: str = "none"  # "request" | "group" | "inflight" | "live" | "global" | "none"
 
 
 class GlobalSuffixIndex:
@@ -156,7 +156,8 @@ class GlobalSuffixIndex:
     # buffer (checking it again would cost a pass over the context every step).
     def speculate(self, request_id: str, context: Sequence[int] | np.ndarray, max_tokens: int) -> Draft:
         """Best draft for the request's ``context`` from its own tree, its group's
-        tree (if enabled), the engine's live tree and the global tree.
+        tree (if enabled), its group's in-flight tree (turns still generating on any engine),
+        the engine's live tree and the global tree.
 
         The highest score wins (group scores times ``group_bias``); ties go to the
         earlier source in that order, as arctic-inference prefers the prompt tree.
@@ -209,6 +210,13 @@ class GlobalSuffixIndex:
                 d = group.tree.speculate_ndarray(*args)
                 if d.score * cfg.group_bias > best_score:
                     best, best_score, source = d, d.score * cfg.group_bias, "group"
+        # The group's turns still generating on any engine (chunks on the log), weighed as the group.
+        if state.group_id is not None and replica.inflight and best_score < full * cfg.group_bias:
+            group = replica.inflight.get(state.group_id)
+            if group is not None:
+                d = group.tree.speculate_ndarray(*args)
+                if d.score * cfg.group_bias > best_score:
+                    best, best_score, source = d, d.score * cfg.group_bias, "inflight"
         # The live tree holds this engine's in-flight responses; when the only one is this
         # request's own (already in its trajectory tree) it can add nothing: skip the lookup.
         if state.live_seq is not None and best_score < full and local.live.num_seqs() > (state.live_tokens > 0):
@@ -253,6 +261,7 @@ class GlobalSuffixIndex:
             "records": len(replica.records),
             "indexed_tokens": replica.global_tokens,
             "groups": len(replica.groups),
+            "inflight_turns": sum(len(g.turns) for g in replica.inflight.values()),
             "active_requests": len(local.requests),
             "trajectory_trees": len(local.trajectories),
         }

@@ -28,6 +28,11 @@ class SuffixIndexConfig:
     - ``group_trees`` / ``group_bias``: keep a tree per GRPO group and multiply its
       draft scores by ``group_bias`` when choosing among candidate drafts.
     - ``live_responses``: share this engine's in-flight responses (vLLM's behaviour).
+    - ``inflight_sharing``: share every engine's in-flight responses with their GRPO group on
+      every engine: the engine hands the new tokens of its running turns to the pool in chunks
+      (``inflight_chunk_tokens`` at least, every log sync), the log carries them to every
+      replica, and a request drafts from its group's in-flight tree (scores times
+      ``group_bias``). A sibling generating on another engine drafts for this one while both run.
     - ``max_spec_factor``, ``max_spec_offset``, ``min_token_prob``: arctic's draft
       rule: at most ``match_len * factor + offset`` tokens, stop below ``min_token_prob``.
       WAR speculates only at low load, where verifying a longer draft is almost free
@@ -53,6 +58,8 @@ class SuffixIndexConfig:
     group_trees: bool = False
     group_bias: float = 1.0
     live_responses: bool = True
+    inflight_sharing: bool = True
+    inflight_chunk_tokens: int = 8
     max_spec_factor: float = 2.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
@@ -71,6 +78,7 @@ class SuffixIndexConfig:
         check_int("SuffixIndexConfig", "max_policy_lag", self.max_policy_lag, 0, nullable=True)
         check_int("SuffixIndexConfig", "match_window", self.match_window, 2, nullable=True)
         check_int("SuffixIndexConfig", "max_pending_tokens", self.max_pending_tokens, 0)
+        check_int("SuffixIndexConfig", "inflight_chunk_tokens", self.inflight_chunk_tokens, 1)
         if not float(self.apply_budget_ms) > 0:
             raise bad("apply_budget_ms", "must be > 0")
         if not 0.0 < float(self.evict_to_fraction) <= 1.0:

@@ -12,16 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from .records import CompletedSequence, _check_version
+from .records import CompletedSequence, InflightChunk, _check_version
 
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One log entry: either a completed sequence or a policy-version advance."""
+    """One log entry: a completed sequence, a policy-version advance, or a chunk of a turn
+    still generating (:class:`InflightChunk`)."""
 
     seq: int
     record: CompletedSequence | None = None
     policy_version: int | None = None
+    chunk: InflightChunk | None = None
 
 
 class LogTruncatedError(LookupError):
@@ -53,6 +55,12 @@ class CompletedSequenceLog:
 
     def append_many(self, records: Iterable[CompletedSequence | Mapping[str, Any]]) -> list[int]:
         return [self.append(r) for r in records]
+
+    def append_chunk(self, chunk: InflightChunk) -> int:
+        """Append new tokens of a turn still generating; returns the sequence number."""
+        if not isinstance(chunk, InflightChunk):
+            raise ValueError(f"chunk: expected an InflightChunk, got {type(chunk).__name__}")
+        return self._push(chunk=chunk)
 
     def advance_policy_version(self, version: int) -> int:
         """Record that the trainer published policy ``version`` (drives version-based eviction)."""

@@ -139,3 +139,25 @@ class CompletedSequence:
     @property
     def num_tokens(self) -> int:
         return int(self.prompt_token_ids.size + self.response_token_ids.size)
+
+
+@dataclass(frozen=True)
+class InflightChunk:
+    """New tokens of a turn still generating, for its GRPO siblings on other engines to draft from.
+
+    ``key`` names the turn (unique per turn and engine: the engine's request id, prefixed with the
+    engine); ``offset`` is how many of the turn's tokens earlier chunks carried, so a replica can
+    tell a continuation from a repeat. The turn's :class:`CompletedSequence` closes it."""
+
+    key: str
+    trajectory_id: str
+    group_id: str
+    offset: int
+    token_ids: np.ndarray
+
+    @classmethod
+    def create(cls, key: str, trajectory_id: str | int, group_id: str | int, offset: int,
+               token_ids: Sequence[int] | np.ndarray) -> "InflightChunk":
+        return cls(key=_check_id(key, "key"), trajectory_id=_check_id(trajectory_id, "trajectory_id"),
+                   group_id=_check_id(group_id, "group_id"), offset=_check_version(offset, "offset"),
+                   token_ids=as_token_array(token_ids, "token_ids"))

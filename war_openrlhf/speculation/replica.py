@@ -1,7 +1,9 @@
 """A replica's replicated state and the sliced application of the log to it.
 
 The replicated state is deterministic from the log: the stored records (oldest first), the
-global tree of them and, optionally, one tree per GRPO group. Log entries wait in a queue and
+global tree of them, optionally one tree per GRPO group, and the in-flight trees: per group,
+the tokens its turns still generating have produced so far (chunks on the log; a turn's
+record closes it, a new policy version clears them all; never saved, they are transient). Log entries wait in a queue and
 :meth:`ReplicatedTrees.work` applies them in bounded slices, so an engine applies the log
 between steps without stalling one (see worker_extension): a record is inserted in chunks of
 ``chunk`` tokens, and an eviction's rebuild is a shadow tree filled chunk by chunk while the
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
@@ -22,6 +24,14 @@ from arctic_inference.suffix_decoding._C import SuffixTree
 from .index_config import SuffixIndexConfig
 from .log import LogEntry
 from .rebuild import SEQ_MASK, GroupTree, RebuildJob, StoredRecord, rebuild_group_trees
+
+
+@dataclass
+class InflightGroup:
+    """A group's turns still generating: one tree, a sequence per turn (key -> [seq id, tokens, trajectory])."""
+
+    tree: SuffixTree
+    turns: dict[str, list] = field(default_factory=dict)
 
 
 @dataclass
@@ -38,6 +48,10 @@ class ReplicatedTrees:
 
     #: Tokens inserted per slice of work (a record's chunk, or a rebuild's).
     CHUNK = 256
+    #: In-flight turns held at most (the oldest is dropped beyond), and closed turn keys
+    #: remembered (a chunk that arrives after its turn's record is ignored).
+    MAX_INFLIGHT_TURNS = 4096
+    MAX_CLOSED_KEYS = 16384
 
     def __init__(self, config: SuffixIndexConfig) -> None:
         self.config = config
@@ -49,6 +63,11 @@ class ReplicatedTrees:
         self.groups: dict[str, GroupTree] = {}
         self.applied_seq = 0
         self.policy_version = 0
+        self.inflight: dict[str, InflightGroup] = {}
+        self._inflight_order: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (group, trajectory)
+        self._inflight_closed: OrderedDict[str, None] = OrderedDict()
+        self._inflight_by_trajectory: dict[str, list[str]] = {}
+        self._inflight_next = 0
         # log entries waiting for work(); a record being inserted; a shadow rebuild
         self.queue: deque[LogEntry] = deque()
         self.queued_seq = 0
@@ -63,6 +82,9 @@ class ReplicatedTrees:
             "rebuilds": 0,
             "rebuild_seconds": 0.0,
             "apply_seconds": 0.0,
+            "inflight_chunks": 0,
+            "inflight_tokens": 0,
+            "inflight_late_chunks": 0,
         }
 
     # ------------------------------------------------------------------ log position
@@ -96,8 +118,8 @@ class ReplicatedTrees:
                     f"seq: expected entry {last + 1}, got {entry.seq}; "
                     "apply entries in order without gaps (use sync(log))"
                 )
-            if entry.record is None and entry.policy_version is None:
-                raise ValueError(f"entry {entry.seq}: neither a record nor a policy_version")
+            if entry.record is None and entry.policy_version is None and entry.chunk is None:
+                raise ValueError(f"entry {entry.seq}: neither a record, a policy_version nor a chunk")
             fresh.append(entry)
             last = entry.seq
         self.queue.extend(fresh)
@@ -139,6 +161,10 @@ class ReplicatedTrees:
     # ------------------------------------------------------------------ one entry
     def _begin(self, entry: LogEntry) -> bool:
         """Start applying ``entry``; True when it is already fully applied."""
+        if entry.chunk is not None:
+            self._apply_chunk(entry.chunk)
+            self.applied_seq = entry.seq
+            return True
         if entry.record is None:
             if self._advance_version(entry.policy_version):
                 self._start_eviction()
@@ -146,6 +172,7 @@ class ReplicatedTrees:
             return True
         record = entry.record
         self.queued_tokens -= int(record.response_token_ids.size)
+        self._close_inflight(record.trajectory_id)
         cfg = self.config
         stale_evict = self._advance_version(record.policy_version)
         if cfg.max_policy_lag is not None and record.policy_version < self.policy_version - cfg.max_policy_lag:
@@ -187,11 +214,62 @@ class ReplicatedTrees:
             self._start_eviction()
         return int(chunk.size)
 
+    # ------------------------------------------------------------------ in-flight turns
+    def _apply_chunk(self, chunk) -> None:
+        """Extend the turn's sequence in its group's in-flight tree by the chunk's new tokens."""
+        if not self.config.inflight_sharing:
+            return
+        if chunk.key in self._inflight_closed:
+            self.stats["inflight_late_chunks"] += 1
+            return
+        group = self.inflight.get(chunk.group_id)
+        if group is None:
+            group = self.inflight[chunk.group_id] = InflightGroup(SuffixTree(self.depth))
+        turn = group.turns.get(chunk.key)
+        if turn is None:
+            turn = group.turns[chunk.key] = [self._inflight_next, 0, chunk.trajectory_id]
+            self._inflight_next = (self._inflight_next + 1) & SEQ_MASK
+            self._inflight_order[chunk.key] = (chunk.group_id, chunk.trajectory_id)
+            self._inflight_by_trajectory.setdefault(chunk.trajectory_id, []).append(chunk.key)
+            while len(self._inflight_order) > self.MAX_INFLIGHT_TURNS:
+                old_key, (old_group, _) = next(iter(self._inflight_order.items()))
+                self._drop_inflight(old_key, old_group)
+        new = chunk.token_ids[max(turn[1] - chunk.offset, 0):]  # a repeat carries nothing new
+        if new.size:
+            group.tree.extend_ndarray(turn[0], np.ascontiguousarray(new, dtype=np.int32))
+            turn[1] += int(new.size)
+            self.stats["inflight_tokens"] += int(new.size)
+        self.stats["inflight_chunks"] += 1
+
+    def _drop_inflight(self, key: str, group_id: str) -> None:
+        group = self.inflight.get(group_id)
+        turn = group.turns.pop(key, None) if group is not None else None
+        _, trajectory_id = self._inflight_order.pop(key, (None, None))
+        keys = self._inflight_by_trajectory.get(trajectory_id)
+        if keys is not None:
+            keys.remove(key)
+            if not keys:
+                del self._inflight_by_trajectory[trajectory_id]
+        if turn is not None and turn[1]:
+            group.tree.remove(turn[0])
+        if group is not None and not group.turns:
+            del self.inflight[group_id]
+        self._inflight_closed[key] = None
+        while len(self._inflight_closed) > self.MAX_CLOSED_KEYS:
+            self._inflight_closed.popitem(last=False)
+
+    def _close_inflight(self, trajectory_id: str) -> None:
+        """The trajectory's turn finished (its record arrived): its in-flight tokens are now a record."""
+        for key in list(self._inflight_by_trajectory.get(trajectory_id, ())):
+            self._drop_inflight(key, self._inflight_order[key][0])
+
     def _advance_version(self, version: int) -> bool:
         """Move to ``version`` if newer; True when that makes a held record stale."""
         if version <= self.policy_version:
             return False
         self.policy_version = version
+        for key, (group_id, _) in list(self._inflight_order.items()):  # tokens of the old weights
+            self._drop_inflight(key, group_id)
         lag = self.config.max_policy_lag
         if lag is None or not self.records:
             return False
@@ -240,4 +318,5 @@ class ReplicatedTrees:
         if self.config.group_trees:
             total += sum(g.tree.estimate_memory() for g in self.groups.values())
         total += sum(r.tokens.nbytes for r in self.records.values())
+        total += sum(g.tree.estimate_memory() for g in self.inflight.values())
         return int(total)
