@@ -202,3 +202,36 @@ def test_a_tail_through_falling_batches_is_not_spent_re_measuring():
     model, buckets = tail("model"), tail("buckets")
     assert model <= 0.1, model
     assert model < buckets
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 10.0), st.integers(1, 20)), min_size=1, max_size=9))
+def test_isotonic_fit_equals_the_min_max_formula(points):
+    """Pool adjacent violators against the brute-force characterisation of the weighted isotonic
+    fit: f(i) = max over j <= i of min over k >= i of the weighted mean of values j..k."""
+    from war_openrlhf.engine.step_cost import _isotonic
+
+    values, weights = [p[0] for p in points], [p[1] for p in points]
+    got = _isotonic(values, weights)
+
+    def mean(j, k):
+        return sum(values[t] * weights[t] for t in range(j, k + 1)) / sum(weights[j:k + 1])
+
+    n = len(values)
+    want = [max(min(mean(j, k) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+    assert got == pytest.approx(want, abs=1e-9)
+
+
+def test_a_noisy_curve_is_fitted_monotone_and_its_slope_is_not_a_neighbour_difference():
+    curve = StepCurve(ewma=1.0, min_samples=1)
+    truth = lambda n: 0.010 + 0.0003 * n  # noqa: E731
+    noise = {1: 1.3, 2: 0.8, 3: 1.0, 4: 1.4, 6: 0.8, 8: 1.1, 11: 0.85, 16: 1.2, 23: 0.9, 32: 1.0}
+    for n, f in noise.items():
+        curve.observe(n, truth(n) * f)
+    fitted = [b.seconds for b in curve.known()]
+    assert fitted == sorted(fitted)
+    assert 0.0 <= curve.slope(8) <= 0.002  # raw neighbours differ by up to 0.004 s per token

@@ -8,7 +8,11 @@ forced lengths, measured in rotating order within each repeat:
   war_off    WAR's engine with drafting switched off (what the load-aware switch runs at high load)
   war_auto   WAR's engine with the load-aware switch deciding (its index empty: nothing to draft)
 
-Greedy, ``--new-tokens`` forced per request, batch sizes ``--batches``. Tokens/s per (config,
+Greedy (``--temperature``), ``--new-tokens`` forced per request, batch sizes ``--batches``;
+``--logprobs`` asks the sampled token's logprob as the rollout pool does; ``--engine-process``
+runs each engine core in its own process, as the rollout's engines do (vLLM's async scheduling
+of plain engines then overlaps scheduling with the forward pass; a speculative config turns
+it off). Tokens/s per (config,
 batch) is the median of ``--repeats`` runs with min-max; the tax is ``1 - war / plain`` on the
 medians, and per repeat (the same prompts back to back, so the machine's slow phases hit both).
 
@@ -28,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+if "--engine-process" in sys.argv:  # as the rollout's engines run: each engine core in its own process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # every engine in this process: rotating order
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,6 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--logprobs", action="store_true", help="ask the sampled token's logprob (as the pool does)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="each engine core in its own process (the rollout engines' setup)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -75,7 +85,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engines = {name: build(name, model, args.k) for name in configs}
     rng = np.random.default_rng(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
+                        ignore_eos=True, logprobs=0 if args.logprobs else None)
     runs: dict[tuple[str, int], list[float]] = {(c, b): [] for c in configs for b in batches}
     for llm in engines.values():  # first-use costs stay out of the runs
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)
@@ -120,8 +131,10 @@ def main(argv=None) -> int:
     cols = [("batch", "batch", "")] + [(f"{n}_tok_s", f"{n} tok/s", ".0f") for n in configs]
     cols += [(f"{n}_tax_pct", f"{n} tax %", ".1f") for n in configs if n != "plain"]
     print(format_table(rows, cols))
-    write_json(args.json, {"benchmark": "engine_tax", "regime": "one CPU engine per config, greedy, forced lengths, "
-                           "prefix cache reset before each run, empty index (nothing to draft)",
+    regime = (f"one CPU engine per config ({'own engine-core process' if args.engine_process else 'in-process engine core'}), "
+              f"temperature {args.temperature:g}{', logprobs' if args.logprobs else ''}, forced lengths, "
+              "prefix cache reset before each run, empty index (nothing to draft)")
+    write_json(args.json, {"benchmark": "engine_tax", "regime": regime,
                            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "rows": rows, "pooled": pooled})
     for llm in engines.values():

@@ -24,6 +24,8 @@ Configurations (``--configs``):
   ``MultiTurnAgentExecutor`` inside the engine actor. Unchanged.
 * ``openrlhf_vllm_suffix``: the same path with vLLM's own ``suffix`` speculation (per-engine
   trees, vLLM's defaults, K = ``--num-speculative-tokens``): one engine argument away for a user.
+  Its cache is emptied before each run, as WAR's index is (a repeat of the same prompts must
+  not draft from their earlier repeats: a real step's prompts are new).
 * ``war``: the WAR pool, ``war`` dispatch per turn, speculation ``auto`` (load-aware switch).
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
@@ -298,6 +300,10 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         "acceptance": d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] else None,
         "speculating_fraction": [None if s.spec_step_fraction is None else round(s.spec_step_fraction, 3)
                                  for s in res.engine_stats],
+        # each engine's switch at the end of the run: why it decided, its draft cut-off, its step curve
+        "switch": [{k: (s.war.get("switch") or {}).get(k) for k in
+                    ("decisions_by_reason", "min_token_prob", "draft_calibration", "accepted_per_request_step",
+                     "drafted_per_request_step", "step_curve")} for s in res.engine_stats],
         "kv_usage_peak": [round(e.peak_kv_usage, 3) for e in pool.engines],
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
         "mean_reward": res.summary()["mean_reward"],
@@ -348,10 +354,14 @@ def _vllm_counters(engines):
     return total
 
 
-def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, war_engines=False):
+def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, war_engines=False,
+                 vllm_suffix=False):
     import ray
 
-    from war_openrlhf.baselines.openrlhf_rollout import run_openrlhf_rollout
+    from war_openrlhf.baselines.openrlhf_rollout import reset_vllm_suffix_caches, run_openrlhf_rollout
+
+    if vllm_suffix:  # each run starts without the earlier repeats' responses, as WAR's index does
+        reset_vllm_suffix_caches(engines)
 
     if war_engines:  # OpenRLHF's path on WAR engines: vLLM as OpenRLHF runs it (no drafting)
         if ray.get(engines[0].stats.remote())["speculation"] != "none":
@@ -539,8 +549,9 @@ def main(argv=None):
         handles = create_war_engines(args.engines, ecfg, placement_group=True,
                                      agent_func_path=str(agent_file) if args.same_engines else None)
     if war_names:
-        run_war(handles, cfg_kwargs, war_names[0], prompts[:args.engines], labels[:args.engines], 1, tokenizer,
-                agent_cls)  # warm-up
+        # warm-up: one whole step, as a training job's engines have run the step before (the engines'
+        # switches keep what they measured of their steps; every run's index starts empty)
+        run_war(handles, cfg_kwargs, war_names[0], prompts, labels, n, tokenizer, agent_cls)
         for name in war_names:
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
@@ -558,8 +569,9 @@ def main(argv=None):
             baseline_sets.append(engines)
         run_baseline(engines, prompts[:args.engines], labels[:args.engines], 1, tokenizer, args.max_len,
                      args.temperature, args.same_engines)  # warm-up
-        runners[name] = (lambda engines=engines: run_baseline(engines, prompts, labels, n, tokenizer, args.max_len,
-                                                              args.temperature, args.same_engines))
+        runners[name] = (lambda engines=engines, method=method: run_baseline(
+            engines, prompts, labels, n, tokenizer, args.max_len, args.temperature, args.same_engines,
+            vllm_suffix=method == "suffix"))
     results = {c: [] for c in configs}
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]

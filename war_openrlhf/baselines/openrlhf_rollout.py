@@ -245,6 +245,42 @@ def stop_openrlhf_engines(engines: Iterable[Any]) -> None:
             pass
 
 
+def _fresh_suffix_cache(worker: Any) -> int:
+    """In an engine's worker: replace vLLM's suffix drafter's cache by an empty one of the same
+    settings (what a WAR replica is at the start of a pool's run); returns the requests dropped."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    cache = getattr(drafter, "suffix_cache", None)
+    if cache is None:
+        return 0
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    dropped = len(cache.cached_requests)
+    drafter.suffix_cache = SuffixDecodingCache(cache.max_tree_depth, cache.max_cached_requests)
+    return dropped
+
+
+def _reset_suffix_cache(actor: Any) -> int:
+    # runs on a thread of the (async) RolloutRayActor; the RPC runs on the actor's event loop,
+    # the one vLLM's output handler lives on (started by the first request)
+    import asyncio
+
+    handler = getattr(actor.llm, "output_handler", None)
+    if handler is None:
+        return 0  # no request yet: the cache is still empty
+    job = asyncio.run_coroutine_threadsafe(actor.llm.collective_rpc(_fresh_suffix_cache), handler.get_loop())
+    return sum(job.result(timeout=60))
+
+
+def reset_vllm_suffix_caches(engines: Iterable[Any]) -> int:
+    """Empty vLLM's own suffix cache on each of OpenRLHF's engines (``speculative_config`` method
+    ``suffix``): a benchmark that repeats one step must not let vLLM draft from the responses of
+    the same prompts' earlier repeats (a real step's prompts are new) while WAR's index starts
+    each run empty. Returns how many cached responses were dropped."""
+    import ray
+
+    return sum(ray.get([e.__ray_call__.remote(_reset_suffix_cache) for e in engines]))
+
+
 def _shutdown_llm(actor: Any) -> None:
     llm = getattr(actor, "llm", None)
     if llm is not None:

@@ -463,18 +463,18 @@ class WarEngine:
         return out
 
     async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]:
-        """Start the replica afresh (empty index, new switch measurements) for the log of
-        ``owner`` (a pool), whose next entry to push is ``start_seq + 1`` (0: a new log; more:
-        the owner's log was truncated up to ``start_seq``). ``stats()["index_owner"]`` tells a
-        pool whether another pool has since taken the engine's index."""
+        """Start the replica afresh (an empty index) for the log of ``owner`` (a pool), whose next
+        entry to push is ``start_seq + 1`` (0: a new log; more: the owner's log was truncated up to
+        ``start_seq``). ``stats()["index_owner"]`` tells a pool whether another pool has since
+        taken the engine's index. The load-aware switch keeps what it measured of this engine's
+        steps (they do not depend on the index; :meth:`set_switch` starts them afresh)."""
         self.config.drafting.refuse_index_call("reset_index")
         async with self._flush_lock:
             self._pending.clear()
             self._pending_since = None
             self._last_seq_sent = int(start_seq)
             self._index_owner = owner
-            await self._rpc(RPC_INSTALL_INDEX, asdict(self.config.index), asdict(self.config.switch), None,
-                            int(start_seq))
+            await self._rpc(RPC_INSTALL_INDEX, asdict(self.config.index), None, None, int(start_seq))
         return await self.stats()
 
     async def reset_prefix_cache(self) -> None:

@@ -191,6 +191,7 @@ class SpecSwitch:
         self.steps = 0
         self.spec_steps = 0
         self.decisions = 0
+        self.reasons: dict[str, int] = {}  # decisions by reason (measured, bounded, calibrating, ...+explore)
 
     # ------------------------------------------------------------------ inputs
     def observe(self, requests: int, drafted: int, accepted: int, seconds: float,
@@ -318,6 +319,7 @@ class SpecSwitch:
             self._override = not self._decided
             self.last_reason += "+explore"
         self.speculate = self._decided if self._override is None else self._override
+        self.reasons[self.last_reason] = self.reasons.get(self.last_reason, 0) + 1
 
     # ------------------------------------------------------------------ reporting
     @property
@@ -347,6 +349,7 @@ class SpecSwitch:
             "threshold_batch": self.current_threshold_batch,
             "decisions": self.decisions,
             "rule": self.config.rule,
+            "decisions_by_reason": dict(self.reasons),
             "min_token_prob": self.min_token_prob,
             "draft_calibration": self.calibration,
             "accepted_per_request_step": self._accepted_per_req,

@@ -13,8 +13,13 @@ Steps with and without drafting feed the same curve, and a synchronous RL step v
 the engine has not run at is priced from its neighbours instead of measured on both sides
 first (a table per batch bucket and side had to calibrate each bucket the tail passed
 through). Bins are log-spaced (two per doubling of ``N``), each an EWMA of seconds and of the
-``N`` it saw; between bins the curve is linear, below the smallest it is flat, above the
-largest it follows the last two bins' slope (or ``T`` proportional to ``N`` with one bin).
+``N`` it saw. Measured steps are noisy (on two shared CPU cores a bin's estimate moves by tens
+of percent), and a step never costs less for more tokens, so the curve is the bins' isotonic
+(non-decreasing) fit, weighted by their samples: between bins linear, below the smallest flat,
+above the largest continued by the last two bins' slope (or ``T`` proportional to ``N`` with
+one bin). The price of a draft token is the slope of a weighted least-squares line through the
+fitted bins within a factor 4 of ``N`` (all bins when fewer than two lie there): a local slope,
+not a difference of two noisy neighbours.
 """
 
 from __future__ import annotations
@@ -60,11 +65,16 @@ class StepCurve:
         self._known = None
         return True
 
+    #: A bin's weight in the isotonic fit and the slope caps at this many samples (an EWMA
+    #: remembers about 1 / ewma steps, so more samples are not more information).
+    MAX_WEIGHT = 20
+
     def known(self) -> list[_Bin]:
-        """Bins with enough samples, by tokens."""
+        """Bins with enough samples, by tokens, their seconds replaced by the isotonic fit."""
         if self._known is None:
-            self._known = sorted((b for b in self.bins.values() if b.samples >= self.min_samples),
-                                 key=lambda b: b.tokens)
+            raw = sorted((b for b in self.bins.values() if b.samples >= self.min_samples), key=lambda b: b.tokens)
+            fitted = _isotonic([b.seconds for b in raw], [min(b.samples, self.MAX_WEIGHT) for b in raw])
+            self._known = [_Bin(b.tokens, t, b.samples) for b, t in zip(raw, fitted)]
         return self._known
 
     def covers(self, tokens: float) -> bool:
@@ -112,15 +122,42 @@ class StepCurve:
         return lo.seconds + slope * (tokens - lo.tokens) if tokens < hi.tokens else hi.seconds + slope * (tokens - hi.tokens)
 
     def slope(self, tokens: float) -> float | None:
-        """``dT/dN`` at ``tokens`` (>= 0): what one more query token (a draft token) costs."""
+        """``dT/dN`` near ``tokens`` (>= 0): what one more query token (a draft token) costs."""
         known = self.known()
         if not known:
             return None
         if len(known) == 1:
             return known[0].seconds / known[0].tokens
-        lo, hi = self._bracket(max(tokens, known[0].tokens))
-        return max((hi.seconds - lo.seconds) / max(hi.tokens - lo.tokens, 1e-9), 0.0)
+        near = [b for b in known if tokens / 4 <= b.tokens <= tokens * 4]
+        pts = near if len(near) >= 2 else known
+        w = [min(b.samples, self.MAX_WEIGHT) for b in pts]
+        sw = sum(w)
+        mx = sum(wi * b.tokens for wi, b in zip(w, pts)) / sw
+        my = sum(wi * b.seconds for wi, b in zip(w, pts)) / sw
+        sxx = sum(wi * (b.tokens - mx) ** 2 for wi, b in zip(w, pts))
+        if sxx <= 0:
+            return 0.0
+        return max(sum(wi * (b.tokens - mx) * (b.seconds - my) for wi, b in zip(w, pts)) / sxx, 0.0)
 
     def points(self) -> list[dict[str, float]]:
-        return [{"tokens": b.tokens, "seconds": b.seconds, "samples": b.samples}
+        """Every bin: tokens, measured seconds, samples; ``fitted``: the curve there (None: too few samples)."""
+        fitted = {id(b): f.seconds for b, f in zip(
+            sorted((b for b in self.bins.values() if b.samples >= self.min_samples), key=lambda b: b.tokens),
+            self.known())}
+        return [{"tokens": b.tokens, "seconds": b.seconds, "samples": b.samples, "fitted": fitted.get(id(b))}
                 for b in sorted(self.bins.values(), key=lambda b: b.tokens)]
+
+
+def _isotonic(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out: list[float] = []
+    for mean, _, n in blocks:
+        out.extend([mean] * n)
+    return out

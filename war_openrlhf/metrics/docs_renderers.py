@@ -486,7 +486,9 @@ def rollout_regime(d: dict) -> str:
     r = d["regime"]
     kv = ("the engines' default KV (ample)" if d["kv_tokens_per_engine"] is None
           else f"KV {d['kv_tokens_per_engine']:,} tokens per engine (pressure {num(d['pressure'])})")
-    return (f"Regime: {d['workload'].split('/')[-1]} ({d['split']} half), {d['episodes']} episodes on {d['engines']} "
+    work = (f"{d['workload'].split('/')[-1]} ({d['split']} half)" if d.get("split")
+            else f"{d['workload']} (seed {d.get('trace_args', {}).get('seed', 0)})")
+    return (f"Regime: {work}, {d['episodes']} episodes on {d['engines']} "
             f"engines (load {r['load']}, {r['episodes_per_engine']:g} per engine), {kv}, tools "
             f"{r['tool_latency']}; median of {d['repeats']} in rotating order ({load_note(d)}).\n")
 
@@ -501,3 +503,21 @@ def noroom_target(d: dict) -> str:
     listed = ", ".join(f"`{c}` {v:.2f}x" for c, v in ratios.items())
     return (f"`war` against each (median step over median step): {listed}. Target (>= 0.98x every one): "
             f"{'met' if ok else f'missed, worst against `{worst}`'}.\n")
+
+
+@renderer("spec_low_target")
+def spec_low_target(d: dict) -> str:
+    """Low-load speculation targets: war >= 1.15x vLLM's suffix method and >= 1.6x openrlhf (equal work)."""
+    c = d["configs"]
+    war = c["war"]["step_s"]
+    vs_suffix = c["openrlhf_vllm_suffix"]["step_s"] / war
+    vs_base = c["openrlhf"]["step_s"] / war
+    work = "equal work" if d.get("equal_work") else "free sampling (different work per run)"
+    parts = [f"`war` {vs_base:.2f}x `openrlhf` and {vs_suffix:.2f}x `openrlhf_vllm_suffix` (median step over "
+             f"median step, {work})"]
+    if "war_finished_only" in c:
+        parts.append(f"in-flight sharing: `war` {c['war_finished_only']['step_s'] / war:.2f}x `war_finished_only`, "
+                     f"tokens per verification step {num(c['war'].get('tokens_per_verification_step'), '.2f')} vs "
+                     f"{num(c['war_finished_only'].get('tokens_per_verification_step'), '.2f')}")
+    ok = vs_suffix >= 1.15 and vs_base >= 1.6
+    return "; ".join(parts) + f". Target (>= 1.15x vLLM's suffix and >= 1.6x openrlhf): {'met' if ok else 'missed'}.\n"

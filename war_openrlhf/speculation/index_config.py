@@ -35,8 +35,10 @@ class SuffixIndexConfig:
       ``group_bias``). A sibling generating on another engine drafts for this one while both run.
     - ``max_spec_factor``, ``max_spec_offset``, ``min_token_prob``: arctic's draft
       rule: at most ``match_len * factor + offset`` tokens, stop below ``min_token_prob``.
-      WAR speculates only at low load, where verifying a longer draft is almost free
-      (decode is memory-bound), so it drafts up to 2x the match length (vLLM: 1x).
+      Factor 1 as vLLM: on the trained policy's task rollouts drafts of up to 2x the match
+      were accepted at 0.44 against vLLM's 0.64 (docs/benchmarks.md); inside the cap, the
+      engine's cost-aware cut-off (``SpecSwitchConfig.cost_aware_drafts``) replaces
+      ``min_token_prob`` once it has measured its steps.
     - ``max_trajectory_trees``: trajectory trees kept for multi-turn reuse (LRU).
     - ``match_window``: context tokens matched against the trees. A tree path is at
       most ``max_tree_depth`` long, so a match of ``m`` tokens can draft at most
@@ -60,7 +62,7 @@ class SuffixIndexConfig:
     live_responses: bool = True
     inflight_sharing: bool = True
     inflight_chunk_tokens: int = 8
-    max_spec_factor: float = 2.0
+    max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
     max_trajectory_trees: int = 4096
