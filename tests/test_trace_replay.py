@@ -138,17 +138,25 @@ def test_the_war_pool_replays_every_turn_at_its_recorded_length(engines, tmp_pat
 
 def test_openrlhfs_executor_replays_the_same_lengths(engines, tmp_path):
     """OpenRLHF's own path on the same rows: the same tokens per trial, so step times compare."""
-    from war_openrlhf.baselines.openrlhf_rollout import (run_openrlhf_rollout, start_openrlhf_engines,
-                                                         stop_openrlhf_engines)
+    from war_openrlhf.baselines.openrlhf_rollout import (reset_vllm_suffix_caches, run_openrlhf_rollout,
+                                                         start_openrlhf_engines, stop_openrlhf_engines)
     from transformers import AutoTokenizer
 
     model, _ = engines
     rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
-    base = start_openrlhf_engines(1, model, agent_func_path=AGENT, max_model_len=1024, kv_capacity_tokens=4096)
+    # with vLLM's own suffix method (openrlhf_vllm_suffix): drafting never changes a forced length
+    base = start_openrlhf_engines(1, model, agent_func_path=AGENT, max_model_len=1024, kv_capacity_tokens=4096,
+                                  speculative_config={"method": "suffix", "num_speculative_tokens": 4})
     try:
+        assert reset_vllm_suffix_caches(base) == 0  # nothing generated yet
         exps, st = run_openrlhf_rollout(base, [r["prompt"] for r in rows], [r["label"] for r in rows],
                                         tokenizer=AutoTokenizer.from_pretrained(str(model)), n_samples_per_prompt=2,
                                         max_new_tokens=None, max_len=1024, temperature=1.0)
+        # the benchmark empties vLLM's cache between repeats: the finished turns were cached (vLLM
+        # releases the last batch's requests only at its next step, so they may still be active)
+        turns = sum(len(tr["lengths"]) for r in rows for tr in json.loads(r["label"])["trials"])
+        assert 0 < reset_vllm_suffix_caches(base) <= turns
+        assert reset_vllm_suffix_caches(base) == 0
     finally:
         stop_openrlhf_engines(base)
     want = sum(sum(tr["lengths"]) for r in rows for tr in json.loads(r["label"])["trials"])

@@ -95,9 +95,10 @@ def _train(run_cfg: Path, out: Path, t0: float) -> None:
 
 def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_per_engine: int,
                      n_samples: int, max_len: int) -> dict | None:
-    """Synchronous rollout steps on the same prompts through OpenRLHF's path and the WAR pool
-    (``tools/bench_rollout.py``: a warm-up each, then 3 repeats in rotating order; median and
-    spread); its JSON, or None if it failed."""
+    """Synchronous rollout steps on equal work through OpenRLHF's path and the WAR pool
+    (``tools/bench_rollout.py``: one free-sampled step of the prompts recorded, then replayed by
+    both with every turn forced to its recorded length; a warm-up each, then 3 repeats in
+    rotating order; median and spread); its JSON, or None if it failed."""
     js = out / "side_by_side.json"
     cmd = [sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--workload", "task:arithmetic_calculator",
            "--prompts", str(data), "--model", str(model), "--configs", "openrlhf,war", "--repeats", "3",
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     comparison = None
     if not args.no_compare:
         print("[4/5] side by side: rollout steps (median of 3), OpenRLHF's path vs the WAR pool, trained policy, "
-              f"same prompts (log: {out / 'side_by_side.log'})", flush=True)
+              f"equal work: one recorded step replayed by both (log: {out / 'side_by_side.log'})", flush=True)
         n = int(o["rollout.n_samples_per_prompt"])
         result = compare_rollouts(out / "model", data, out, int(o["vllm.num_engines"]),
                                   max(1, int(o["rollout.batch_size"]) // int(o["vllm.num_engines"])), n,
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             r = result.get("regime", {})
             comparison = {"configs": configs,
                           "regime": (f"{r.get('load', '?')} load ({r.get('episodes_per_engine', 0):g} episodes/engine), "
-                                     "no KV pressure, calculator tool (~0 s); median of 3 steps each after a warm-up")}
+                                     "no KV pressure, calculator tool (~0 s), equal work (one recorded step replayed, "
+                                     "every turn at its recorded length); median of 3 steps each after a warm-up")}
     else:
         print("[4/5] side by side: skipped (--no-compare)", flush=True)
 

@@ -519,5 +519,14 @@ def spec_low_target(d: dict) -> str:
         parts.append(f"in-flight sharing: `war` {c['war_finished_only']['step_s'] / war:.2f}x `war_finished_only`, "
                      f"tokens per verification step {num(c['war'].get('tokens_per_verification_step'), '.2f')} vs "
                      f"{num(c['war_finished_only'].get('tokens_per_verification_step'), '.2f')}")
+    if "war_spec_only" in c:
+        so = c["war_spec_only"]
+        parts.append(f"the WAR pool under OpenRLHF's placement (`war_spec_only`) {c['openrlhf_vllm_suffix']['step_s'] / so['step_s']:.2f}x "
+                     f"`openrlhf_vllm_suffix`, tokens per verification step {num(so.get('tokens_per_verification_step'), '.2f')} "
+                     f"vs vLLM's {num(c['openrlhf_vllm_suffix'].get('tokens_per_verification_step'), '.2f')}")
+    fractions = [f for f in (c["war"].get("speculating_fraction") or []) if f is not None]
+    if fractions:
+        parts.append(f"`war`'s switches drafting in {100 * min(fractions):.0f}-{100 * max(fractions):.0f}% of "
+                     "their engines' steps")
     ok = vs_suffix >= 1.15 and vs_base >= 1.6
     return "; ".join(parts) + f". Target (>= 1.15x vLLM's suffix and >= 1.6x openrlhf): {'met' if ok else 'missed'}.\n"
