@@ -378,7 +378,7 @@ def _proposer(cache, k: int = 8, depth: int = 24):
 def test_adapter_under_vllms_proposer():
     """vLLM's own propose() loop drives the adapter: prompt once, accepted tokens
     every step, drafts from a record, stop when a request leaves the batch."""
-    index = GlobalSuffixIndex()
+    index = GlobalSuffixIndex(max_spec_factor=2.0)  # drafts of 8 from a 6-token match
     meta = {"r0": ("traj-0", "g"), "r1": ("traj-0", "g")}  # r1: same trajectory (n>1 fan-out)
     batch = _FakeBatch()
     cache = WarSuffixCache(index, request_meta=lambda rid: meta.get(rid, (None, None)),

@@ -170,3 +170,18 @@ def test_without_in_flight_sharing_no_engine_is_asked_for_chunks():
     shipper = LogShipper(cfg, [EngineClient(0, replica)], owner="pool-x")
     asyncio.run(shipper.sync())
     assert replica.outbox and replica.received == []
+
+
+def test_engines_not_drafting_by_their_last_report_are_not_asked_for_chunks():
+    from war_openrlhf.engine.wire import tokens_to_bytes
+
+    shipper, replicas, clients = _shipper(3)
+    chunk = {"key": "k", "trajectory_id": "t", "group_id": "g", "offset": 0, "token_ids": tokens_to_bytes(np.array([1]))}
+    for r in replicas:
+        r.outbox = [dict(chunk, key=f"k{id(r)}")]
+    clients[0].last_stats = EngineStats(engine=0, war={"mode": "auto", "switch": {"speculating": False}})
+    clients[1].last_stats = EngineStats(engine=1, war={"mode": "off", "switch": {"speculating": True}})
+    clients[2].last_stats = EngineStats(engine=2, war={"mode": "auto", "switch": {"speculating": True}})
+    asyncio.run(shipper.sync())
+    assert [bool(r.outbox) for r in replicas] == [True, True, False]
+    assert shipper.inflight_chunks == 1

@@ -120,8 +120,14 @@ class LogShipper:
 
     async def _collect_inflight(self) -> None:
         """Put the receiving engines' new in-flight tokens on the log (a failed engine is skipped:
-        its siblings draft a little less until the next sync)."""
+        its siblings draft a little less until the next sync). Only engines drafting by their
+        last report are asked: an engine hands out tokens only while its drafter runs, and at
+        high load, where the switch keeps drafting off, the call would be a cost for nothing."""
         for e in self._receivers():
+            war = e.last_stats.war or {}
+            mode = war.get("mode")
+            if mode == "off" or (mode == "auto" and not (war.get("switch") or {}).get("speculating", True)):
+                continue
             try:
                 chunks = await e.inflight_chunks()
             except EngineDead:
