@@ -113,19 +113,24 @@ def engines():
         ray.shutdown()
 
 
+def _replay_pool(model, handles):
+    """A WAR pool on the module's engine running the trace-replay agent."""
+    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
+
+    cfg = RolloutConfig(num_engines=1, engine={"model": str(model), "max_model_len": 1024},
+                        agent_func_path=str(AGENT), max_context_tokens=1024, max_new_tokens_per_turn=None,
+                        progress=False, max_turns=16)
+    return RolloutPool(cfg, handles, agent_cls=load_agent_class(AGENT))
+
+
 def test_the_war_pool_replays_every_turn_at_its_recorded_length(engines, tmp_path):
     import ray
-
-    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
 
     model, handles = engines
     stats = ray.get(handles[0].stats.remote())
     assert stats["kv_capacity_tokens"] >= 4096  # the stated KV size, in whole 128-token blocks
     rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
-    cfg = RolloutConfig(num_engines=1, engine={"model": str(model), "max_model_len": 1024},
-                        agent_func_path=str(AGENT), max_context_tokens=1024, max_new_tokens_per_turn=None,
-                        progress=False, max_turns=16)
-    pool = RolloutPool(cfg, handles, agent_cls=load_agent_class(AGENT))
+    pool = _replay_pool(model, handles)
     res = pool.run_batch([r["prompt"] for r in rows], [r["label"] for r in rows], n_samples_per_prompt=2)
     assert res.end_reasons == {"done": 8}
     got = sorted(tuple(len(range(t.start, t.end)) for t in traj.turns) for traj in res.trajectories)
@@ -216,15 +221,11 @@ def test_a_recorded_run_replays_as_the_same_work(engines, tmp_path):
     """bench_rollout's equal work for task workloads: a run's episodes, turned into replay rows
     (war_openrlhf.traces.recorded), replay with every turn at its recorded length and the
     recorded environment text between turns."""
-    from war_openrlhf.rollout import RolloutConfig, RolloutPool, load_agent_class
     from war_openrlhf.traces.recorded import replay_rows
 
     model, handles = engines
     rows = _dataset().generate_from_traces(_trace_file(tmp_path), split="all", tool_latency_s=0.01)
-    cfg = RolloutConfig(num_engines=1, engine={"model": str(model), "max_model_len": 1024},
-                        agent_func_path=str(AGENT), max_context_tokens=1024, max_new_tokens_per_turn=None,
-                        progress=False, max_turns=16)
-    pool = RolloutPool(cfg, handles, agent_cls=load_agent_class(AGENT))
+    pool = _replay_pool(model, handles)
     first = pool.run_batch([r["prompt"] for r in rows], [r["label"] for r in rows], n_samples_per_prompt=2)
     decode = lambda ids: pool.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     replay = replay_rows(first.trajectories, decode)
