@@ -69,13 +69,14 @@ def test_the_dispatchers_measurements_are_reported():
 def test_running_counters_are_reported_per_batch_not_since_start():
     """The switch's step counters and the dispatcher's moves run since engine / policy start:
     each batch reports its own share (a cumulative fraction would hide a switch that just flipped)."""
-    def with_switch(engine, steps, spec_steps, decisions, gain):
+    def with_switch(engine, steps, spec_steps, decisions, gain, inflight=0, request=0, cut=None):
         return EngineStats(engine=engine, war={"switch": {"steps": steps, "spec_steps": spec_steps,
                                                           "decisions": decisions, "expected_gain": gain,
-                                                          "speculating": spec_steps > 0}})
+                                                          "speculating": spec_steps > 0, "min_token_prob": cut},
+                                               "drafts": {"inflight": inflight, "request": request}})
 
-    before = [with_switch(0, 100, 100, 5, 1.4), with_switch(1, 100, 0, 5, 0.8)]
-    after = [with_switch(0, 110, 100, 6, 0.9), with_switch(1, 130, 30, 7, 1.3)]
+    before = [with_switch(0, 100, 100, 5, 1.4, inflight=10, request=10), with_switch(1, 100, 0, 5, 0.8)]
+    after = [with_switch(0, 110, 100, 6, 0.9, inflight=16, request=14, cut=0.3), with_switch(1, 130, 30, 7, 1.3)]
     pool = _pool()
     pool.policy = SimpleNamespace(estimated_cached_tokens=lambda e, c: None,
                                   metrics=lambda: {"moves": 7.0, "deferrals": 2.0, "step_ms": 5.0})
@@ -85,6 +86,8 @@ def test_running_counters_are_reported_per_batch_not_since_start():
     assert m["war/speculating_fraction"] == pytest.approx(30 / 40)
     assert m["war/engine1_switch_expected_gain"] == pytest.approx(1.3)
     assert m["war/engine0_switch_decisions"] == 1.0 and m["war/engine1_switch_decisions"] == 2.0
+    assert m["war/drafts_inflight_share"] == pytest.approx(6 / 10)  # this batch's drafts, not since start
+    assert m["war/engine0_draft_min_token_prob"] == pytest.approx(0.3) and "war/engine1_draft_min_token_prob" not in m
     assert m["war/dispatch_moves"] == 3.0 and m["war/dispatch_deferrals"] == 0.0
     assert m["war/dispatch_step_ms"] == 5.0  # a measurement, not a counter: as it is
     assert m["war/turn_generate_s_mean"] == pytest.approx(0.3) and m["war/turn_tool_s_mean"] == pytest.approx(0.1)

@@ -115,7 +115,19 @@ def _speculation_metrics(before: list[EngineStats], after: list[EngineStats], m:
             if sw_a.get("expected_gain") is not None:
                 m[f"war/engine{i}_switch_expected_gain"] = float(sw_a["expected_gain"])
             m[f"war/engine{i}_switch_decisions"] = float(int(sw_a.get("decisions", 0)) - int(sw_b.get("decisions", 0)))
+            # the cost-aware cut-off the switch derived (switch.cost_aware_drafts, min_token_prob_floor)
+            if sw_a.get("min_token_prob") is not None:
+                m[f"war/engine{i}_draft_min_token_prob"] = float(sw_a["min_token_prob"])
     m["war/speculating_fraction"] = spec_steps / steps if steps else 0.0
+    # where this batch's drafts came from: the share of the group's turns still generating
+    # (index.inflight_sharing), against finished turns, the request's own context and the rest
+    drafts: dict[str, float] = {}
+    for b, a in zip(before, after):
+        d_b, d_a = (b.war.get("drafts") or {}), (a.war.get("drafts") or {})
+        for source, n in d_a.items():
+            drafts[source] = drafts.get(source, 0.0) + float(n) - float(d_b.get(source, 0))
+    if sum(drafts.values()) > 0:
+        m["war/drafts_inflight_share"] = drafts.get("inflight", 0.0) / sum(drafts.values())
 
 
 def _turn_metrics(result, m: dict[str, float]) -> None:
