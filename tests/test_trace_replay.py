@@ -196,6 +196,10 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
     assert out.returncode != 0 and "--workload: 'bogus' is neither task:NAME nor traces:FILE" in out.stderr
     out = run("--configs", "war,fastest")
     assert out.returncode != 0 and "unknown configuration 'fastest'" in out.stderr
+    out = run("--workload", "traces:x.json", "--free-sampling")
+    assert out.returncode != 0 and "--free-sampling: a traces: workload replays recorded lengths" in out.stderr
+    out = run("--war-engines", "none", "--configs", "openrlhf,war,war_sched_only")
+    assert out.returncode != 0 and "--war-engines none: plain engines cannot draft, but war would" in out.stderr
 
 
 def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):

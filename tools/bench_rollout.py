@@ -456,6 +456,12 @@ def main(argv=None):
         raise SystemExit("--engines and --repeats must be >= 1")
     if args.pressure is not None and not args.pressure > 0:
         raise SystemExit("--pressure: must be > 0")
+    if args.free_sampling and not args.workload.startswith("task:"):
+        raise SystemExit("--free-sampling: a traces: workload replays recorded lengths; the flag is for task: workloads")
+    drafting = [c for c in configs if c in WAR_CONFIGS and WAR_CONFIGS[c][1] != "off"]
+    if args.war_engines == "none" and drafting:
+        raise SystemExit(f"--war-engines none: plain engines cannot draft, but {', '.join(drafting)} would; "
+                         "run war_sched_only (and the openrlhf baselines) on them")
     if args.same_engines and "openrlhf_vllm_suffix" in configs:
         raise SystemExit("--same-engines: openrlhf_vllm_suffix needs engines started with vLLM's suffix method; "
                          "drop it from --configs or run without --same-engines")
