@@ -132,7 +132,7 @@ def test_a_running_turn_hands_out_its_new_tokens_as_in_flight_chunks(engine):
     import ray
 
     ray.get(engine.inflight_chunks.remote())  # whatever earlier turns left
-    sp = dict(temperature=0.0, max_tokens=400, ignore_eos=True)
+    sp = dict(temperature=0.0, max_tokens=800, ignore_eos=True)  # long enough to be polled while it runs
     ref = engine.generate_tokens.remote(PROMPTS[1], sp, trajectory_id="inflight-t", group_id="g")
     chunks, during = [], 0
     while True:
