@@ -230,7 +230,8 @@ def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
     observe = sib.run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)
     # a second pool on the same engines restarted their replicas and fed them its own log
     applied = [s.index_applied_seq for s in asyncio.run(sib.engine_stats())]
-    assert applied == [sib.log.last_seq] * 2 and sib.log.last_seq == observe.turns
+    # every turn's record once, and the in-flight chunks the engines handed out while turns ran
+    assert applied == [sib.log.last_seq] * 2 and sib.log.last_seq == observe.turns + sib.shipper.inflight_chunks
     by = {t.label: [] for t in observe.trajectories}
     for t in observe.trajectories:
         t.check()
