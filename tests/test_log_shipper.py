@@ -146,9 +146,12 @@ def test_with_no_replica_anywhere_the_log_keeps_nothing_and_nothing_is_shipped()
     assert [c.sync_errors for c in clients] == [0, 0] and all(r.received == [] for r in replicas)
 
 
-def test_in_flight_chunks_of_one_engine_reach_every_replica_in_log_order():
+def test_in_flight_chunks_of_one_engine_reach_every_replica_in_log_order(monkeypatch):
     from war_openrlhf.engine.wire import tokens_to_bytes
 
+    encoded = []
+    real = shipper_module.entries_to_wire
+    monkeypatch.setattr(shipper_module, "entries_to_wire", lambda es: encoded.extend(es) or real(es))
     shipper, replicas, _ = _shipper(2)
     replicas[0].outbox = [{"key": "e0:r1", "trajectory_id": "t1", "group_id": "g", "offset": 0,
                            "token_ids": tokens_to_bytes(np.array([5, 6, 7]))}]
@@ -161,6 +164,7 @@ def test_in_flight_chunks_of_one_engine_reach_every_replica_in_log_order():
         assert entries[0].chunk.key == "e0:r1" and entries[0].chunk.token_ids.tolist() == [5, 6, 7]
         assert entries[1].record.trajectory_id == "t1"
     assert shipper.inflight_chunks == 1 and shipper.errors == 0
+    assert [e.chunk for e in encoded] == [None]  # the chunk travels in the worker's wire form, encoded once
 
 
 def test_without_in_flight_sharing_no_engine_is_asked_for_chunks():

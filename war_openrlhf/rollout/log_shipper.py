@@ -137,9 +137,11 @@ class LogShipper:
                 log.exception("in-flight chunks from engine %d failed (rollouts go on)", e.index)
                 continue
             for i, c in enumerate(chunks):
-                self.log.append_chunk(InflightChunk.create(
+                seq = self.log.append_chunk(InflightChunk.create(
                     c["key"], c["trajectory_id"], c["group_id"], c["offset"],
                     tokens_from_wire(c["token_ids"], f"engine {e.index} chunk {i}: token_ids")))
+                # already in wire form (the worker's): shipped as it came, not encoded again
+                self._wire[seq] = {"seq": seq, "policy_version": None, "record": None, "chunk": c}
             self.inflight_chunks += len(chunks)
 
     async def sync_in_background(self) -> None:
