@@ -141,3 +141,36 @@ def test_openrlhfs_arguments_are_parsed_once_and_the_trainer_gets_the_one_frozen
     assert settings.num_engines == args.vllm.num_engines and settings.engine.model == args.actor.model_name_or_path
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.max_turns = 4
+
+
+SHIPPED_RUN_CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.yaml") if "openrlhf:" in p.read_text())
+
+
+@pytest.mark.parametrize("name", SHIPPED_RUN_CONFIGS)
+def test_every_shipped_run_config_passes_war_trains_checks(name, run_args, monkeypatch):
+    """Each config with an ``openrlhf:`` section goes through what ``war-train --config`` does
+    before Ray starts (OpenRLHF's parser and checks, WAR's keys, the settings built and
+    checked), with the model and data paths given on the command line as the example scripts
+    give them; the OpenRLHF flags it sets reach the settings."""
+    from war_openrlhf.cli.train_ppo import _apply_cpu_support_for_import, check_before_start, parse_argv
+    from war_openrlhf.config_checks import load_yaml
+    from war_openrlhf.integrations.openrlhf import parse_openrlhf_args
+
+    assert {"cpu_demo.yaml", "gpu_qwen7b_sql_1node.yaml", "gpu_qwen7b_sql_2node.yaml"} <= set(SHIPPED_RUN_CONFIGS)
+    model, data = run_args[0][3], run_args[0][5]
+    _apply_cpu_support_for_import()  # as war-train's main, before OpenRLHF is imported
+    monkeypatch.chdir(ROOT)  # agent paths in the configs are relative to the job's working directory
+    argv = ["--config", str(ROOT / "configs" / name), "--actor.model_name_or_path", model,
+            "--data.prompt_dataset", data]
+    if "eval.dataset" in (ROOT / "configs" / name).read_text():
+        argv += ["--eval.dataset", data]
+    war, openrlhf_argv = parse_argv(argv)
+    args = parse_openrlhf_args(openrlhf_argv)
+    settings = check_before_start(war, args)
+    section = load_yaml(ROOT / "configs" / name)["openrlhf"]
+    assert settings.num_engines == int(section["vllm.num_engines"])
+    if "vllm.gpu_memory_utilization" in section:
+        assert settings.engine.gpu_memory_utilization == pytest.approx(float(section["vllm.gpu_memory_utilization"]))
+    assert settings.engine.trust_remote_code  # as OpenRLHF's engines
+    assert settings.engine.weight_sync_dtype == {"bf16": "bfloat16", "fp16": "float16"}[
+        section.get("ds.param_dtype", "bf16")]

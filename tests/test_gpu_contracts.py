@@ -166,6 +166,76 @@ def test_sleep_without_sleep_mode_is_an_error_not_a_no_op(model_dir):
         asyncio.run(eng.sleep())
 
 
+class _SleepyEngines:
+    """Engines as vLLM 0.29's sleep mode treats requests: a request to a sleeping engine is held
+    until it wakes (here: refused at once, naming the rollout, rather than held for the turn
+    timeout). ``call`` stands in for OpenRLHF's ``batch_vllm_engine_call``."""
+
+    def __init__(self, n: int) -> None:
+        self.awake = [False] * n  # war_engine_factory puts them to sleep after start
+        self.calls: list[str] = []
+
+    def call(self, engines, method, *args, **kwargs):
+        assert engines is self.handles
+        self.calls.append(method)
+        self.awake = [method == "wake_up"] * len(self.awake)
+
+    def serve(self, what: str) -> None:
+        if not all(self.awake):
+            raise AssertionError(f"{what} sent to sleeping engines: vLLM would hold it until turn_timeout_s")
+
+    @property
+    def handles(self):
+        return self.__dict__.setdefault("_handles", [object() for _ in self.awake])
+
+
+def test_sleep_mode_engines_are_awake_for_warm_up_training_and_eval_rollouts(monkeypatch):
+    """With --vllm.enable_sleep the engines start asleep; every rollout of the samples
+    generator (the warm-up in the trainer's __init__, a training fill, an evaluation) wakes
+    them first and puts them back to sleep after, as OpenRLHF's generator does."""
+    import openrlhf.trainer.ray.vllm_engine as openrlhf_engines
+
+    from war_openrlhf.training.samples_generator import WarSamplesGenerator
+
+    engines = _SleepyEngines(2)
+    monkeypatch.setattr(openrlhf_engines, "batch_vllm_engine_call", engines.call)
+    gen = object.__new__(WarSamplesGenerator)
+    gen.args = SimpleNamespace(rollout=SimpleNamespace(batch_size=1, n_samples_per_prompt=1,
+                                                       vllm_generate_batch_size=None),
+                               algo=SimpleNamespace(dynamic_filtering_enable=False),
+                               vllm=SimpleNamespace(enable_sleep=True))
+    gen.settings = RolloutConfig(warm_up=True)
+    gen.vllm_engines = engines.handles
+    gen._pending_metrics, gen._dataloader_iter, gen._sample_buffer, gen.metrics = {}, None, [], {}
+
+    class Pool:
+        async def warm_up_async(self, prompt, label):
+            engines.serve("the warm-up")
+            return 0.5
+
+    gen.pool = Pool()
+    gen.prompts_dataloader = SimpleNamespace(dataset=[(None, "p0", "l0", None)])
+    assert gen.warm_up() == 0.5
+    assert engines.calls == ["wake_up", "sleep"] and not any(engines.awake)
+
+    def rollout(prompts, labels, **kw):
+        engines.serve(f"rollout of {prompts}")
+        return [SimpleNamespace(name=p, info={}) for p in prompts], 1
+
+    gen._rollout = rollout
+    gen.prompts_dataloader = [(None, ["p0"], ["l0"], [None])]
+    out, *_ = gen.generate_samples()
+    assert [e.name for e in out] == ["p0"] and not any(engines.awake)
+    gen.eval_dataloader = [(None, ["e0"], ["l"], [None]), (None, ["e1"], ["l"], [None])]
+    assert [e.name for e in gen.generate_eval_samples()] == ["e0", "e1"]
+    assert engines.calls == ["wake_up", "sleep"] * 3 and not any(engines.awake)
+    # a failing rollout still puts the engines back to sleep (the trainer needs the memory)
+    gen._rollout = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("episode failed"))
+    with pytest.raises(RuntimeError, match="episode failed"):
+        gen.generate_eval_samples()
+    assert engines.calls[-1] == "sleep" and not any(engines.awake)
+
+
 # ------------------------------------------------------------------ flags
 def test_every_create_vllm_engines_argument_is_honoured_or_refused():
     from war_openrlhf.integrations.openrlhf import OPENRLHF_OWNED, refuse_openrlhf_owned
@@ -196,7 +266,7 @@ def _openrlhf_args(**over):
         num_engines=2, enforce_eager=True, tensor_parallel_size=1, gpu_memory_utilization=0.7, enable_sleep=False),
         train=ns(seed=1, agent_func_path="a.py", full_determinism_enable=True),
         rollout=ns(n_samples_per_prompt=4, temperature=1.0, top_p=1.0, max_new_tokens=None),
-        algo=ns(advantage=ns(is_correction_level="token")))
+        algo=ns(advantage=ns(is_correction_level="token")), ds=ns(param_dtype="bf16"))
     for dotted, value in over.items():
         obj = args
         *path, last = dotted.split("__")
@@ -223,6 +293,34 @@ def test_openrlhf_flags_reach_the_pools_settings():
     assert merge_openrlhf_args(RolloutConfig(engine_recovery="reinstate"), _openrlhf_args()).engine_recovery == "reinstate"
 
 
+# ------------------------------------------------------------------ dtype
+def test_engines_run_the_trainers_dtype_and_trust_remote_code_as_openrlhfs(model_dir):
+    """OpenRLHF's engines are bfloat16 with trust_remote_code (vllm_engine.py lines 273-274) and
+    its WorkerWrap asserts every synced weight's dtype is the engine's: on CUDA an ``auto``
+    engine runs --ds.param_dtype, another dtype is refused before any engine starts, and a
+    disagreeing 16-bit engine dtype is refused when the settings are built."""
+    from war_openrlhf.integrations.openrlhf import merge_openrlhf_args
+
+    for param, want in (("bf16", "bfloat16"), ("fp16", "float16")):
+        cfg = merge_openrlhf_args(RolloutConfig(), _openrlhf_args(ds__param_dtype=param)).engine
+        assert cfg.weight_sync_dtype == want and cfg.trust_remote_code
+        gpu = vllm_engine_kwargs(cfg, cuda=True)
+        assert gpu["dtype"] == want and gpu["trust_remote_code"] is True
+        # on CPU the trainer runs float32 whatever --ds.param_dtype says; the CPU sync casts
+        assert vllm_engine_kwargs(cfg, cuda=False)["dtype"] == "auto"
+    with pytest.raises(ValueError, match="war.engine.dtype float16 and --ds.param_dtype bf16 disagree"):
+        merge_openrlhf_args(RolloutConfig(engine={"dtype": "float16"}), _openrlhf_args())
+    f32 = merge_openrlhf_args(RolloutConfig(engine={"dtype": "float32"}), _openrlhf_args()).engine
+    real = EngineConfig(**{**f32.as_dict(), "model": str(model_dir), "max_model_len": 512,
+                           "index": f32.index, "switch": f32.switch})
+    with pytest.raises(ValueError, match="EngineConfig.dtype: float32, but the trainer sends its weights as bfloat16"):
+        check_startup(real, cuda=True)
+    check_startup(real, cuda=False)  # the CPU run casts (war_openrlhf.cpu.weight_sync)
+    assert vllm_engine_kwargs(EngineConfig(model="/m"), cuda=True)["trust_remote_code"] is False  # opt-in outside war-train
+    with pytest.raises(ValueError, match="EngineConfig.weight_sync_dtype: 'bf16'"):
+        EngineConfig(weight_sync_dtype="bf16")
+
+
 # ------------------------------------------------------------------ cluster device
 def test_cluster_device_comes_from_the_driver_not_the_actor(monkeypatch):
     from war_openrlhf import device
@@ -238,6 +336,52 @@ def test_cluster_device_comes_from_the_driver_not_the_actor(monkeypatch):
         device.cluster_device()
     monkeypatch.delenv(device.CLUSTER_DEVICE_ENV)
     assert device.cluster_device() == ("cuda" if device.cuda_available() else "cpu")
+
+
+def test_a_cpu_only_driver_joining_a_gpu_cluster_plans_gpu_engines_unpatched(tmp_path):
+    """The driver of a run joined to a GPU cluster (``--ray-address``) from a node without CUDA:
+    after ``_ray_init`` its own ``cluster_device()`` is the cluster's (OpenRLHF's
+    ``create_vllm_engines`` plans the engines there), and the CPU patches were never applied in
+    it (only the flash-attn stand-in OpenRLHF's import needs). A fresh process: the test
+    process has applied the CPU patches long ago."""
+    code = textwrap.dedent('''
+        import json, os, sys, types
+        os.environ.pop("WAR_CLUSTER_DEVICE", None)
+        import ray
+        import war_openrlhf.device as device
+        import war_openrlhf.cli.train_ppo as cli
+        from war_openrlhf.cpu import openrlhf_patches
+        calls = []
+        ray.init = lambda *a, **k: calls.append(("init", k.get("address")))
+        ray.shutdown = lambda: calls.append(("shutdown", None))
+        device.detect_cluster_device = lambda timeout_s=120.0: "cuda"
+        cli._apply_cpu_support_for_import()
+        shim = "flash_attn" in sys.modules
+        got = cli._ray_init("10.0.0.1:6379")
+        from war_openrlhf.engine.actors import EngineLauncher
+        from war_openrlhf.engine.config import EngineConfig
+        print(json.dumps(dict(device=got, driver=device.cluster_device(), shim=shim,
+                              patched=openrlhf_patches._STATE["applied"], calls=calls)))
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "WAR_CLUSTER_DEVICE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["device"] == "cuda" and got["driver"] == "cuda", got
+    assert got["patched"] is False, got  # a GPU run's driver carries no CPU patches
+    assert got["shim"] is True  # OpenRLHF imports on this CUDA-less node
+    assert ["init", "10.0.0.1:6379"] in got["calls"]
+
+
+def test_tensor_parallel_engine_core_joins_the_running_ray_cluster():
+    """vLLM's engine core is a spawned process whose Ray executor calls ``ray.init(address=None)``:
+    without ``RAY_ADDRESS`` it would start a new local Ray. As OpenRLHF's _configure_vllm_env
+    (lines 102-105) the engine sets it to its cluster's address, and keeps a user's."""
+    env = device_env_for_engine(2, {"CUDA_VISIBLE_DEVICES": "0"}, [0], "10.0.0.1:6379")
+    assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["CUDA_VISIBLE_DEVICES"] is None
+    assert device_env_for_engine(1, {}, [3], "h:1") == {"RAY_ADDRESS": "h:1"}
+    assert "RAY_ADDRESS" not in device_env_for_engine(2, {"RAY_ADDRESS": "mine:2"}, [], "h:1")
+    assert "RAY_ADDRESS" not in device_env_for_engine(2, {}, [], None)
 
 
 def test_ray_address_is_taken_from_the_command_line_or_the_environment(monkeypatch):
@@ -317,3 +461,45 @@ def test_a_plain_engine_runs_turns_and_refuses_index_calls(model_dir, tmp_path):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["tokens"] == 6 and result["war"] is False
     assert "no WAR index replica" in result["refused"] and "speculation='none'" in result["refused"]
+
+
+# ------------------------------------------------------------------ equal benchmarks
+def test_gpu_baseline_engines_get_the_war_engines_kv_through_openrlhfs_own_call(monkeypatch):
+    """A GPU A/B compares equal KV: the OpenRLHF baseline's engines come from OpenRLHF's own
+    ``create_vllm_engines`` (its placement group, bf16, trust_remote_code), with the WAR engines'
+    ``gpu_memory_utilization`` instead of 0.95, and a stated KV size (CUDA blocks of 16) or vLLM's
+    own speculation added to each actor's engine arguments. Ray's placement and actor start are
+    recorded here; OpenRLHF's function runs unchanged."""
+    import openrlhf.trainer.ray.vllm_engine as openrlhf_engines
+
+    from war_openrlhf.baselines.openrlhf_rollout import _engine_extras, _start_gpu_actors
+
+    started = []
+
+    class Recorder:
+        @staticmethod
+        def options(**options):
+            return SimpleNamespace(remote=lambda *a, **kw: started.append((options, kw)) or len(started))
+
+    monkeypatch.setattr(openrlhf_engines, "RolloutRayActor", Recorder)
+    monkeypatch.setattr(openrlhf_engines, "placement_group", lambda bundles, strategy: SimpleNamespace(
+        bundles=bundles, strategy=strategy, ready=lambda: None))
+    monkeypatch.setattr(openrlhf_engines.ray, "get", lambda ref: ref)
+    extra = _engine_extras(4000, {"method": "suffix", "num_speculative_tokens": 8}, cuda=True)
+    handles = _start_gpu_actors(2, "/m", seed=5, enable_prefix_caching=True, enforce_eager=False, max_model_len=2048,
+                                gpu_memory_utilization=EngineConfig.gpu_memory_utilization, logprobs_mode=None,
+                                agent_func_path=None, extra=extra)
+    assert handles == [1, 2] and openrlhf_engines.RolloutRayActor is Recorder  # restored after the call
+    for i, (options, kw) in enumerate(started):
+        assert options["num_gpus"] == 1 and kw["seed"] == 5 + i
+        assert kw["dtype"] == "bfloat16" and kw["trust_remote_code"] is True  # OpenRLHF's own arguments
+        assert kw["gpu_memory_utilization"] == EngineConfig.gpu_memory_utilization == vllm_engine_kwargs(
+            EngineConfig(model="/m"), cuda=True)["gpu_memory_utilization"]
+        assert kw["num_gpu_blocks_override"] == 250  # 4000 tokens in CUDA blocks of 16
+        assert kw["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 8}
+    assert vllm_engine_kwargs(EngineConfig(model="/m", kv_capacity_tokens=4000, max_model_len=2048), cuda=True)[
+        "num_gpu_blocks_override"] == 250  # the WAR engines' size for the same regime
+    started.clear()
+    _start_gpu_actors(1, "/m", seed=0, enable_prefix_caching=True, enforce_eager=False, max_model_len=2048,
+                      gpu_memory_utilization=0.5, logprobs_mode=None, agent_func_path=None, extra={})
+    assert "num_gpu_blocks_override" not in started[0][1] and started[0][1]["gpu_memory_utilization"] == 0.5

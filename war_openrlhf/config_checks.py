@@ -86,6 +86,7 @@ def dataclass_from_dict(
     known = {f.name for f in fields(cls)}
     optional = {f.name for f in fields(cls) if "None" in str(f.type)}  # annotated "X | None"
     optional_str = {f.name for f in fields(cls) if str(f.type).replace(" ", "") in ("str|None", "Optional[str]")}
+    optional_bool = {f.name for f in fields(cls) if str(f.type).replace(" ", "") in ("bool|None", "Optional[bool]")}
     defaults = cls()
     values = dict(data)
     for key, value in values.items():
@@ -98,6 +99,9 @@ def dataclass_from_dict(
         elif key in optional_str:
             if not isinstance(value, str):
                 raise ValueError(f"{source}: key '{key}' must be str or null, got {value!r}")
+        elif key in optional_bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: key '{key}' must be true, false or null, got {value!r}")
         elif not _type_ok(value, getattr(defaults, key)):
             hint = ""
             if isinstance(getattr(defaults, key), str) and isinstance(value, bool):

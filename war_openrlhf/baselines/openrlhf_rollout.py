@@ -25,6 +25,7 @@ stats: the load snapshot each dispatch took and the engine each prompt went to.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any, Iterable, Sequence
@@ -51,6 +52,7 @@ def start_openrlhf_engines(
     kv_cache_space_gib: float | None = None,
     kv_capacity_tokens: int | None = None,
     speculative_config: dict | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> list[Any]:
     """Start OpenRLHF's ``RolloutRayActor`` engines and wait until they serve.
 
@@ -64,15 +66,16 @@ def start_openrlhf_engines(
     CPU (compiling takes minutes there).
 
     With CUDA this is OpenRLHF's ``create_vllm_engines(...)``, unchanged (tensor
-    parallel 1, no shared placement group, no sleep mode, no full determinism,
-    ``gpu_memory_utilization`` 0.95 as ``--vllm.gpu_memory_utilization``).
+    parallel 1, no shared placement group, no sleep mode, no full determinism), with
+    ``gpu_memory_utilization`` the WAR engines' (default: ``EngineConfig``'s), so that an A/B
+    compares the same KV size: OpenRLHF's own 0.95 would give the baseline more.
 
     On CPU it creates the same ``RolloutRayActor`` with the same engine arguments, except
     where :func:`_start_cpu_actors` says.
 
     Two engine arguments a benchmark states explicitly, passed to ``vllm.AsyncEngineArgs``
-    through ``RolloutRayActor``'s keyword arguments (CPU path only: on CUDA,
-    ``create_vllm_engines`` has no parameter for them):
+    through ``RolloutRayActor``'s keyword arguments (on CUDA added to the arguments
+    ``create_vllm_engines`` builds, which has no parameter for them: :func:`_start_gpu_actors`):
 
     - ``kv_capacity_tokens``: exact KV-cache size (``num_gpu_blocks_override``, whole blocks),
       the same size the WAR engines get in a KV-pressure regime;
@@ -102,12 +105,12 @@ def start_openrlhf_engines(
         raise RuntimeError("start_openrlhf_engines: Ray is not initialized; call ray.init(...) first")
     _check_engine_extras(kv_capacity_tokens, speculative_config, max_model_len, cuda)
     if cuda:
-        from openrlhf.trainer.ray.vllm_engine import create_vllm_engines
-
-        engines = create_vllm_engines(
-            num_engines, 1, model_dir, seed, False, enable_prefix_caching, bool(enforce_eager), max_model_len,
-            None, 0.95, False, logprobs_mode, agent_func_path=agent_func_path,
-        )
+        memory = EngineConfig.gpu_memory_utilization if gpu_memory_utilization is None else float(gpu_memory_utilization)
+        engines = _start_gpu_actors(num_engines, model_dir, seed=seed, enable_prefix_caching=enable_prefix_caching,
+                                    enforce_eager=bool(enforce_eager), max_model_len=max_model_len,
+                                    gpu_memory_utilization=memory, logprobs_mode=logprobs_mode,
+                                    agent_func_path=agent_func_path,
+                                    extra=_engine_extras(kv_capacity_tokens, speculative_config, cuda=True))
     else:
         engines = _start_cpu_actors(num_engines, model_dir, agent_func_path=agent_func_path,
                                     max_model_len=max_model_len, seed=seed,
@@ -136,9 +139,47 @@ def _check_engine_extras(kv_capacity_tokens: int | None, speculative_config: dic
     if kv_capacity_tokens is not None and kv_capacity_tokens < max_model_len:
         raise ValueError(f"kv_capacity_tokens: {kv_capacity_tokens} cannot hold one max_model_len={max_model_len} "
                          "sequence")
-    if cuda and (kv_capacity_tokens is not None or speculative_config is not None):
-        raise ValueError("kv_capacity_tokens / speculative_config: OpenRLHF's create_vllm_engines (the CUDA path) "
-                         "takes neither; size KV with gpu_memory_utilization there")
+
+
+def _engine_extras(kv_capacity_tokens: int | None, speculative_config: dict | None, *, cuda: bool) -> dict[str, Any]:
+    """The engine arguments a benchmark states beyond OpenRLHF's: an exact KV size in whole
+    blocks of the device's size, vLLM's own speculation."""
+    extra: dict[str, Any] = {}
+    if kv_capacity_tokens is not None:
+        extra["num_gpu_blocks_override"] = kv_blocks_for(kv_capacity_tokens, cuda=cuda)
+    if speculative_config is not None:
+        extra["speculative_config"] = dict(speculative_config)
+    return extra
+
+
+_CREATE_LOCK = threading.Lock()
+
+
+def _start_gpu_actors(num_engines: int, model_dir: str, *, seed: int, enable_prefix_caching: bool,
+                      enforce_eager: bool, max_model_len: int, gpu_memory_utilization: float,
+                      logprobs_mode: str | None, agent_func_path: str | None, extra: dict[str, Any]) -> list[Any]:
+    """OpenRLHF's own ``create_vllm_engines`` (placement, arguments, bf16, trust_remote_code),
+    with ``extra`` added to each ``RolloutRayActor``'s keyword arguments (it hands them to
+    ``vllm.AsyncEngineArgs``, ``vllm_engine.py`` lines 60-62): the call is OpenRLHF's, only
+    the actor class it sees adds them."""
+    import openrlhf.trainer.ray.vllm_engine as openrlhf_engines
+
+    real = openrlhf_engines.RolloutRayActor
+
+    class _WithExtras:
+        @staticmethod
+        def options(**options):
+            handle = real.options(**options)
+            return SimpleNamespace(remote=lambda *a, **kw: handle.remote(*a, **{**kw, **extra}))
+
+    with _CREATE_LOCK:
+        openrlhf_engines.RolloutRayActor = _WithExtras if extra else real
+        try:
+            return openrlhf_engines.create_vllm_engines(
+                num_engines, 1, model_dir, seed, False, enable_prefix_caching, enforce_eager, max_model_len,
+                None, gpu_memory_utilization, False, logprobs_mode, agent_func_path=agent_func_path)
+        finally:
+            openrlhf_engines.RolloutRayActor = real
 
 
 def _wait_until_serving(engines: list[Any]) -> None:
@@ -207,10 +248,7 @@ def _start_cpu_actors(num_engines: int, model_dir: str, *, agent_func_path: str 
         if logprobs_mode:
             actor_kwargs["logprobs_mode"] = logprobs_mode
             actor_kwargs["max_logprobs"] = 1
-        if kv_capacity_tokens is not None:
-            actor_kwargs["num_gpu_blocks_override"] = kv_blocks_for(kv_capacity_tokens, cuda=False)
-        if speculative_config is not None:
-            actor_kwargs["speculative_config"] = dict(speculative_config)
+        actor_kwargs.update(_engine_extras(kv_capacity_tokens, speculative_config, cuda=False))
         env_vars = cpu_engine_env(cores[i], kv_gib)
         engines.append(RolloutRayActor.options(**engine_actor_options(cuda=False, env_vars=env_vars)).remote(
             **actor_kwargs

@@ -186,6 +186,9 @@ def _ray_init(address: str | None = None) -> str:
         device = detect_cluster_device()
         ray.shutdown()  # again, with every worker told the device
         env[CLUSTER_DEVICE_ENV] = device
+        # the driver too: train_ppo_ray plans the engines here (create_vllm_engines), and a
+        # CPU-only head node of a GPU cluster must plan GPU engines, not its own CPU ones
+        os.environ[CLUSTER_DEVICE_ENV] = device
         runtime_env: dict[str, Any] = {"env_vars": env}
         if device == "cpu":
             cpu.apply_cpu_support()
@@ -194,6 +197,7 @@ def _ray_init(address: str | None = None) -> str:
         return device
     device = "cuda" if cuda_available() else "cpu"
     env[CLUSTER_DEVICE_ENV] = device
+    os.environ[CLUSTER_DEVICE_ENV] = device
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": env}}
     if device == "cpu":
         cpu.apply_cpu_support()
@@ -306,13 +310,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _apply_cpu_support_for_import() -> None:
-    """Importing OpenRLHF on a machine without CUDA needs the CPU stand-ins (flash-attn)."""
+    """Importing OpenRLHF on a machine without CUDA needs the flash-attn stand-in, and nothing
+    more before the cluster's device is known: a CPU-only head node of a GPU cluster must not
+    carry the CPU patches into the run (:func:`_ray_init` applies them in a CPU run)."""
     from ..device import cuda_available
 
     if not cuda_available():
-        from .. import cpu
+        from ..cpu.flash_attn_shim import install_flash_attn_shim
 
-        cpu.apply_cpu_support()
+        install_flash_attn_shim()
 
 
 if __name__ == "__main__":

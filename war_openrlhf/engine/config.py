@@ -57,6 +57,11 @@ class EngineConfig:
     full_determinism: bool = False  # vLLM in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0), as OpenRLHF
     start_timeout_s: float = 1800.0  # an engine not serving by then failed to start (model download included)
     kv_events: bool = False  # publish vLLM's KV-cache events, read back for the pool (engine/kv_events.py)
+    trust_remote_code: bool | None = None  # run the model directory's own code; None: no, but yes in war-train
+                                           # (as OpenRLHF's engines); an explicit false is kept
+    # the dtype the trainer's weight sync sends (war-train: --ds.param_dtype). OpenRLHF's WorkerWrap
+    # asserts it equals the engine's, so on CUDA ``auto`` becomes it and another dtype is refused
+    weight_sync_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):
@@ -65,6 +70,9 @@ class EngineConfig:
             self.switch = SpecSwitchConfig(**self.switch)
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype: '{self.dtype}' is not one of {', '.join(DTYPES)}")
+        if self.weight_sync_dtype is not None and self.weight_sync_dtype not in DTYPES[1:]:
+            raise ValueError(f"EngineConfig.weight_sync_dtype: '{self.weight_sync_dtype}' is not one of "
+                             f"{', '.join(DTYPES[1:])} (or null)")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(
                 f"EngineConfig.speculation: '{self.speculation}' is not one of {', '.join(SPECULATION_MODES)}"
@@ -135,6 +143,10 @@ def check_startup(config: EngineConfig, *, cuda: bool, taken_cores: set[int] | N
         model_dir = resolve_model(config.model)  # a hub id is fetched (config + tokenizer) once per node
     except ModelNotFound as exc:
         raise ValueError(f"EngineConfig.model: {exc}") from None
+    if cuda and config.weight_sync_dtype and config.dtype not in ("auto", config.weight_sync_dtype):
+        raise ValueError(f"EngineConfig.dtype: {config.dtype}, but the trainer sends its weights as "
+                         f"{config.weight_sync_dtype} (--ds.param_dtype) and OpenRLHF's weight sync asserts they "
+                         f"match; use dtype auto or {config.weight_sync_dtype}")
     if not cuda:
         if config.enable_sleep_mode:
             raise ValueError("EngineConfig.enable_sleep_mode: vLLM's sleep mode needs CUDA (its cumem allocator); "

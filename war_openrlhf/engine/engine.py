@@ -107,6 +107,17 @@ def _ray_gpu_ids() -> list:
         return []
 
 
+def _ray_gcs_address() -> str | None:
+    """The address of the Ray cluster this actor runs in (``None`` outside one)."""
+    try:
+        import ray
+        from ray._private.worker import global_worker  # as OpenRLHF's vllm_engine.py line 103
+
+        return str(global_worker.gcs_client.address) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a Ray worker
+        return None
+
+
 def _ray_node_id() -> str | None:
     try:
         import ray
@@ -144,7 +155,7 @@ class WarEngine:
             os.environ.update(cpu_engine_env(self.config.cpu_core, self.config.kv_cache_space_gib))
         else:
             for name, value in device_env_for_engine(self.config.tensor_parallel_size, os.environ,
-                                                     _ray_gpu_ids()).items():
+                                                     _ray_gpu_ids(), _ray_gcs_address()).items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:

@@ -68,7 +68,9 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
     lines 240-298) where it applies: ``distributed_executor_backend`` ``uni`` for one GPU,
     ``ray`` for tensor parallelism (vLLM then places its workers on the engine's bundles),
     ``gpu_memory_utilization``, ``enable_sleep_mode``, ``logprobs_mode`` with
-    ``max_logprobs=1``; plus WAR's speculative config and worker extension.
+    ``max_logprobs=1``, the trainer's dtype on CUDA (OpenRLHF: ``bfloat16`` always; WAR: the
+    weight sync's, ``--ds.param_dtype``, when ``dtype`` is ``auto``), ``trust_remote_code`` (OpenRLHF: always on; WAR: the config's, on in
+    ``war-train``); plus WAR's speculative config and worker extension.
     """
     from ..device import kv_blocks_for
 
@@ -80,8 +82,11 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
         enable_prefix_caching=cfg.enable_prefix_caching,
         seed=cfg.seed,
         skip_tokenizer_init=False,
+        trust_remote_code=bool(cfg.trust_remote_code),
     )
     if cuda:
+        if cfg.dtype == "auto" and cfg.weight_sync_dtype:  # as OpenRLHF: the engine runs the trainer's dtype
+            kwargs["dtype"] = cfg.weight_sync_dtype
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         kwargs["tensor_parallel_size"] = cfg.tensor_parallel_size
         kwargs["distributed_executor_backend"] = "uni" if cfg.tensor_parallel_size == 1 else "ray"
@@ -128,16 +133,23 @@ def gpu_engine_placement(index: int, tensor_parallel_size: int, *, colocated: bo
     return {"num_cpus": num_gpus, "num_gpus": num_gpus, "bundle_index": bundle_indices[0]}, env
 
 
-def device_env_for_engine(tensor_parallel_size: int, environ: Mapping[str, str], gpu_ids: Sequence[Any]) -> dict[str, str | None]:
+def device_env_for_engine(tensor_parallel_size: int, environ: Mapping[str, str], gpu_ids: Sequence[Any],
+                          ray_address: str | None = None) -> dict[str, str | None]:
     """Changes to an engine process's environment before vLLM starts (``None``: remove).
 
     As OpenRLHF's ``_configure_device_env``: with vLLM's Ray executor (tensor parallel) the
     workers pick their own devices, so ``CUDA_VISIBLE_DEVICES`` goes; with
     ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` set Ray leaves it unset, so the engine
-    pins the GPU Ray gave it.
+    pins the GPU Ray gave it. ``RAY_ADDRESS`` (when unset): the running cluster's
+    (``ray_address``), as OpenRLHF's ``_configure_vllm_env`` (lines 102-105): vLLM's engine core
+    is a spawned process, not a Ray worker, and its Ray executor's ``ray.init(address=None)``
+    would otherwise start a new local Ray instead of joining the one holding the engine's GPUs.
     """
+    out: dict[str, str | None] = {}
+    if ray_address and not environ.get("RAY_ADDRESS"):
+        out["RAY_ADDRESS"] = str(ray_address)
     if tensor_parallel_size > 1:
-        return {"CUDA_VISIBLE_DEVICES": None, "ROCR_VISIBLE_DEVICES": None, "HIP_VISIBLE_DEVICES": None}
+        return {**out, "CUDA_VISIBLE_DEVICES": None, "ROCR_VISIBLE_DEVICES": None, "HIP_VISIBLE_DEVICES": None}
     if environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES") and gpu_ids:  # any value, as OpenRLHF
-        return {"CUDA_VISIBLE_DEVICES": str(gpu_ids[0])}
-    return {}
+        out["CUDA_VISIBLE_DEVICES"] = str(gpu_ids[0])
+    return out

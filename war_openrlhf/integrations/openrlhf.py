@@ -66,6 +66,9 @@ OPENRLHF_OWNED: dict[str, str] = {
     "engine.logprobs_mode": "algo.advantage.is_correction_level",
 }
 
+#: OpenRLHF's --ds.param_dtype choices -> the engine dtype its weight sync sends.
+_PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
 _LOCK = threading.Lock()
 _APPLIED: list[str] = []
 
@@ -142,7 +145,8 @@ def war_settings(war: Mapping[str, Any], args: Any) -> RolloutConfig:
                           vllm_enable_sleep=_opt(args, "vllm.enable_sleep", False),
                           logprobs_mode="processed_logprobs" if correction not in (None, "off") else None,
                           remote_rm_url=_opt(args, "reward.remote_url", None),
-                          max_images_per_prompt=_opt(args, "data.max_images_per_prompt", 0) or 0)
+                          max_images_per_prompt=_opt(args, "data.max_images_per_prompt", 0) or 0,
+                          param_dtype=_opt(args, "ds.param_dtype", "bf16"))
     return RolloutConfig.from_dict({**war, **top, "engine": engine}, source="WAR settings + OpenRLHF arguments")
 
 
@@ -155,11 +159,14 @@ def _engine_dict(engine: Mapping[str, Any], *, pretrain: str, seed: int, max_mod
                  tensor_parallel_size: int = 1, full_determinism: bool = False,
                  gpu_memory_utilization: float | None = None, vllm_enable_sleep: bool = False,
                  logprobs_mode: str | None = None, remote_rm_url: Any = None,
-                 max_images_per_prompt: int = 0) -> dict[str, Any]:
+                 max_images_per_prompt: int = 0, param_dtype: str | None = None) -> dict[str, Any]:
     """The WAR engine settings (``engine``: a mapping of ``EngineConfig`` keys) completed from
     what ``train_ppo_ray`` hands ``create_vllm_engines`` (OpenRLHF 0.11.2,
     ``trainer/ray/vllm_engine.py`` lines 209-225): every argument is honoured or refused here,
-    none is dropped."""
+    none is dropped. As OpenRLHF's engines (same file, lines 273-274): ``trust_remote_code``
+    on, and the weights in the trainer's dtype (``param_dtype``, ``--ds.param_dtype``: the
+    engine's ``weight_sync_dtype``; an engine ``dtype`` of another 16-bit type is refused,
+    ``float32`` is left to the device check: CPU runs cast, CUDA runs refuse)."""
     if remote_rm_url and [str(u) for u in ([remote_rm_url] if isinstance(remote_rm_url, str) else remote_rm_url)] != ["agent"]:
         # OpenRLHF sets remote_url "agent" itself when --train.agent_func_path is given
         raise ValueError(f"--reward.remote_url {remote_rm_url!r}: WAR rollouts are multi-turn episodes whose "
@@ -177,6 +184,18 @@ def _engine_dict(engine: Mapping[str, Any], *, pretrain: str, seed: int, max_mod
                full_determinism=bool(full_determinism) or bool(out.get("full_determinism",
                                                                        defaults["full_determinism"])),
                enable_sleep_mode=bool(vllm_enable_sleep))
+    if out.get("trust_remote_code") is None:  # not chosen: as OpenRLHF's engines
+        out["trust_remote_code"] = True
+    if param_dtype is not None:
+        sync = _PARAM_DTYPES.get(str(param_dtype))
+        if sync is None:
+            raise ValueError(f"--ds.param_dtype {param_dtype!r}: not one of {', '.join(_PARAM_DTYPES)}")
+        given = out.get("dtype", defaults["dtype"])
+        if given in ("bfloat16", "float16") and given != sync:
+            raise ValueError(f"war.engine.dtype {given} and --ds.param_dtype {param_dtype} disagree: the trainer "
+                             "sends its weights in its dtype and the weight sync asserts the engine's is the same; "
+                             "set one (engine dtype auto follows --ds.param_dtype)")
+        out["weight_sync_dtype"] = sync
     if gpu_memory_utilization is not None:
         out["gpu_memory_utilization"] = float(gpu_memory_utilization)
     if logprobs_mode:

@@ -21,6 +21,7 @@ the async trainer alike.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -257,16 +258,36 @@ class WarSamplesGenerator:
             self._sampled[key] = replace(base, temperature=key[0], top_p=key[1])
         return self._sampled[key]
 
+    @contextmanager
+    def _engines_awake(self):
+        """Every rollout runs inside this. With ``--vllm.enable_sleep`` the engines wake for it and
+        sleep after, as OpenRLHF's generator does around generation and evaluation
+        (``ppo_utils/samples_generator.py`` lines 66-83 and 106-120): vLLM 0.29 holds a sleeping
+        engine's requests until it wakes, so a rollout outside (the warm-up at start, an
+        evaluation) would wait out ``turn_timeout_s`` on every turn."""
+        sleep_mode = bool(getattr(getattr(self.args, "vllm", None), "enable_sleep", False))
+        if sleep_mode:
+            from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
+
+            batch_vllm_engine_call(self.vllm_engines, "wake_up")
+        try:
+            yield
+        finally:
+            if sleep_mode:
+                batch_vllm_engine_call(self.vllm_engines, "sleep")
+
     def warm_up(self) -> float | None:
         """The pool's warm-up on the first training prompt (``RolloutConfig.warm_up``), before
-        the first step is timed; its seconds (TensorBoard ``war/warm_up_s``), or None if off."""
+        the first step is timed; its seconds (TensorBoard ``war/warm_up_s``), or None if off.
+        Sleeping engines are woken for it and put back to sleep."""
         if not self.settings.warm_up or self.prompts_dataloader is None:
             return None
         dataset = self.prompts_dataloader.dataset
         if len(dataset) == 0:
             return None
         _source, prompt, label, _image = dataset[0]
-        seconds = run_coroutine(self.pool.warm_up_async(prompt, label))
+        with self._engines_awake():
+            seconds = run_coroutine(self.pool.warm_up_async(prompt, label))
         self._pending_metrics["war/warm_up_s"] = float(seconds)
         return seconds
 
@@ -327,16 +348,8 @@ class WarSamplesGenerator:
         chunk = self.args.rollout.batch_size * self.args.rollout.n_samples_per_prompt
         consumed, pass_rate = 0, None
         if len(self._sample_buffer) < chunk and self._dataloader_iter is not None:
-            sleep_mode = bool(getattr(getattr(self.args, "vllm", None), "enable_sleep", False))
-            if sleep_mode:  # as OpenRLHF's generator: engines wake for generation, sleep after
-                from openrlhf.trainer.ray.vllm_engine import batch_vllm_engine_call
-
-                batch_vllm_engine_call(self.vllm_engines, "wake_up")
-            try:
+            with self._engines_awake():
                 consumed, pass_rate = self._fill(**generate_kwargs)
-            finally:
-                if sleep_mode:
-                    batch_vllm_engine_call(self.vllm_engines, "sleep")
         out = uniform_info(self._sample_buffer[:chunk])
         self._sample_buffer = self._sample_buffer[chunk:]
         exhausted = self._dataloader_iter is None and not self._sample_buffer
@@ -389,10 +402,11 @@ class WarSamplesGenerator:
 
         it = iter(self.eval_dataloader)
         out = []
-        while True:
-            prompts, labels, _images, exhausted = _collect_prompt_batch(it, self.args.rollout.batch_size)
-            if prompts:
-                exps, _ = self._rollout(prompts, labels, **generate_kwargs)
-                out.extend(exps)
-            if exhausted or not prompts:
-                return out
+        with self._engines_awake():
+            while True:
+                prompts, labels, _images, exhausted = _collect_prompt_batch(it, self.args.rollout.batch_size)
+                if prompts:
+                    exps, _ = self._rollout(prompts, labels, **generate_kwargs)
+                    out.extend(exps)
+                if exhausted or not prompts:
+                    return out
