@@ -30,4 +30,5 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
         assert {n for n, r in results.items() if r["status"] == "skip"} == {"cuda", "flash_attn", "fused_adam", "nccl"}
         assert "CPU build" in results["cuda"]["detail"] or "sees no GPU" in results["cuda"]["detail"]
     assert results["engine"]["status"] == "ok" and "greedy on == off" in results["engine"]["detail"]
+    assert "weight sync changes and restores the output" in results["engine"]["detail"]  # war-train's engine path
     assert "preflight: 5 ok" in proc.stdout or torch.cuda.is_available()

@@ -172,13 +172,15 @@ def test_turn_limits_and_kv_size_are_validated():
     from war_openrlhf.engine.config import EngineConfig
     from war_openrlhf.rollout.agents import turn_limits
 
-    assert turn_limits({"max_tokens": 7, "min_tokens": 7, "ignore_eos": True, "temperature": 0.5}, "step()") == \
+    assert turn_limits({"max_tokens": 7, "min_tokens": 7, "ignore_eos": True}, "step()") == \
         {"max_tokens": 7, "min_tokens": 7, "ignore_eos": True}
-    assert turn_limits(None, "step()") == {} and turn_limits({"temperature": 1.0}, "reset()") == {}
-    with pytest.raises(ValueError, match=r"step\(\) returned sampling_params.max_tokens = 0"):
+    assert turn_limits(None, "step()") == {} and turn_limits({}, "reset()") == {}
+    with pytest.raises(ValueError, match=r"step\(\) returned war_turn_limits.max_tokens = 0"):
         turn_limits({"max_tokens": 0}, "step()")
-    with pytest.raises(ValueError, match="ignore_eos"):
+    with pytest.raises(ValueError, match="war_turn_limits.ignore_eos"):
         turn_limits({"ignore_eos": "yes"}, "reset()")
+    with pytest.raises(ValueError, match="war_turn_limits.temperature: not one of"):  # it belongs in sampling_params
+        turn_limits({"temperature": 0.5}, "step()")
     with pytest.raises(ValueError, match="kv_capacity_tokens: 1000 cannot hold one max_model_len=2048"):
         EngineConfig(max_model_len=2048, kv_capacity_tokens=1000)
 

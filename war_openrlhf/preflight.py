@@ -13,8 +13,11 @@ Run it on each node of a cluster before the first job. Checks, in order:
                  tile permission, and whether vLLM's AMX kernel ran in a probe process)
 ``arctic``       arctic-inference's C++ suffix tree imports and answers a lookup
 ``openrlhf``     OpenRLHF imports, at the version the trainer seams are written against
-``engine``       one engine on a tiny local model with WAR's speculation: greedy output
-                 with drafting on equals drafting off, and drafts were accepted
+``engine``       one engine on a tiny local model with war-train's engine arguments (bf16 and
+                 CUDA graphs on CUDA, WAR's drafting behind OpenRLHF's worker extension):
+                 greedy output with drafting on equals off and drafts were accepted; one
+                 weight sync (CUDA IPC on CUDA, gloo on CPU) changes the output and restores
+                 it; on CUDA one sleep/wake round trip keeps the output and the index
 ``nccl``         an all-reduce over NCCL between two local GPUs (two GPUs or more)
 
 A check that cannot apply here (no GPU: ``cuda``, ``flash_attn``, ``fused_adam``, ``nccl``)
@@ -174,9 +177,108 @@ def check_openrlhf() -> Check:
     return Check("openrlhf", "ok", f"openrlhf {version}")
 
 
+def preflight_engine_config(model: str, *, cuda: bool):
+    """The engine a ``war-train`` run starts, on a tiny model: its settings come from the same
+    code (``integrations.openrlhf._engine_dict``: trust_remote_code, the trainer's bf16 as
+    ``weight_sync_dtype``; CUDA graphs and sleep mode on CUDA). On CPU the tiny model runs
+    float32 and eager, as a CPU run does."""
+    from .engine.config import EngineConfig
+    from .integrations.openrlhf import _engine_dict
+
+    engine = {"num_speculative_tokens": 8, "speculation": "auto"}
+    if not cuda:
+        engine["dtype"] = "float32"
+    out = _engine_dict(engine, pretrain=model, seed=0, max_model_len=512, enforce_eager=not cuda,
+                       vllm_enable_sleep=cuda, gpu_memory_utilization=0.3 if cuda else None, param_dtype="bf16")
+    return EngineConfig.from_dict(out, source="preflight engine")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def sync_weights(llm, params: list, *, cuda: bool, group: dict) -> None:
+    """Send ``params`` ((name, tensor) in the engine's dtype) into ``llm``'s workers the way
+    OpenRLHF's trainer does: on CUDA by CUDA IPC handles (``--train.colocate_all``'s path,
+    ``ppo_actor.py`` lines 439-460; one GPU suffices), on CPU by a broadcast from rank 0 over
+    gloo (``--vllm.sync_backend gloo``). The last parameter carries ``empty_cache=True``, as
+    OpenRLHF marks the end of a sync. ``group`` keeps the CPU broadcast group between calls."""
+    import threading
+
+    import torch
+
+    last = len(params) - 1
+    if cuda:
+        from openrlhf.trainer.ray.utils import get_physical_gpu_id
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        for i, (name, weight) in enumerate(params):
+            weight = weight.to("cuda").contiguous()
+            handles = {get_physical_gpu_id(): reduce_tensor(weight)}
+            llm.collective_rpc("update_weight_cuda_ipc", args=(name, weight.dtype, tuple(weight.shape), handles,
+                                                               i == last))
+            torch.cuda.synchronize()
+        return
+    from datetime import timedelta
+
+    from .cpu.weight_sync import GlooBroadcastGroup
+
+    def in_thread(fn, what: str) -> Callable[[], None]:
+        """Run ``fn`` (the trainer's side of a rendezvous) beside the engine's call; the
+        returned function joins it and raises what it raised."""
+        result: dict = {}
+
+        def call() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by join
+                result["error"] = exc
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+
+        def join() -> None:
+            t.join(timeout=300)
+            if "error" in result:
+                raise RuntimeError(f"weight sync, {what}: {type(result['error']).__name__}: {result['error']}")
+            if t.is_alive():
+                raise RuntimeError(f"weight sync, {what}: no answer within 300 s")
+
+        return join
+
+    if "pg" not in group:
+        port = _free_port()
+        join = in_thread(lambda: group.__setitem__("pg", GlooBroadcastGroup("127.0.0.1", port, 0, 2,
+                                                                            timeout=timedelta(seconds=300))),
+                         "the trainer's group")
+        llm.collective_rpc("init_process_group", args=("127.0.0.1", port, 1, 2, "preflight", "gloo", False))
+        join()
+    for i, (name, weight) in enumerate(params):
+        weight = weight.contiguous()
+        join = in_thread(lambda w=weight: group["pg"].broadcast(w, src=0), name)
+        llm.collective_rpc("update_weight", args=(name, weight.dtype, tuple(weight.shape), i == last))
+        join()
+
+
+def _hf_params(model_dir: Path, dtype) -> list:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
 def check_engine(workdir: Path) -> Check:
-    """Greedy with WAR's drafting on equals off, on one in-process engine and a tiny model."""
-    from .engine.rpc import EngineIndexClient, war_engine_kwargs
+    """The production engine path on a tiny model: ``war-train``'s engine settings and vLLM
+    arguments (WAR's drafting behind OpenRLHF's worker extension, bf16 and CUDA graphs on
+    CUDA), greedy with drafting on == off and drafts accepted; one weight sync (another
+    model's weights change the output, the original's restore it); on CUDA one sleep/wake
+    round trip keeps the greedy output and the index."""
+    from .engine.launch import vllm_engine_kwargs
+    from .engine.rpc import EngineIndexClient
     from .fixtures.tiny_model import build_tiny_model
     from .speculation.log import CompletedSequenceLog
     from .speculation.records import CompletedSequence
@@ -185,15 +287,19 @@ def check_engine(workdir: Path) -> Check:
         from vllm import LLM, SamplingParams
     except Exception as exc:  # noqa: BLE001
         return Check("engine", "skip", f"vLLM does not import ({exc})", "fix the vllm check first")
+    import torch
+
     cuda = bool(_gpus())
     model = build_tiny_model(workdir / "war_tiny_model")
+    other = build_tiny_model(workdir / "war_tiny_model_seed1", seed=1)
     if not cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    args = dict(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                enable_prefix_caching=True, **war_engine_kwargs(num_speculative_tokens=8))
-    if cuda:
-        args["gpu_memory_utilization"] = 0.3
+    cfg = preflight_engine_config(str(model), cuda=cuda)
+    args = vllm_engine_kwargs(cfg, cuda=cuda, openrlhf_worker=True)
+    # the weight-sync RPCs carry torch dtypes and IPC handles (WarEngine sets the same, as OpenRLHF)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     llm = LLM(**args)
+    steps = []
     try:
         client = EngineIndexClient(llm)
         client.install({})
@@ -214,18 +320,46 @@ def check_engine(workdir: Path) -> Check:
         client.stats(reset=True)
         on = run()
         accepted = sum(client.stats(reset=True).get("accepted_tokens", {}).values())
+        if on != off:
+            return Check("engine", "fail", "greedy output with speculation on differs from off",
+                         "report it with this node's vllm/torch versions; run with --war.engine.speculation off")
+        if accepted <= 0:
+            return Check("engine", "fail", "speculation on accepted no draft token of the index's exact copies",
+                         "check that the worker extension loaded (vLLM's log at start)")
+        steps.append(f"greedy on == off, {accepted} draft tokens accepted")
+        dtype = torch.bfloat16 if cuda else torch.float32
+        group: dict = {}
+        client.set_speculation(False)
+        sync_weights(llm, _hf_params(other, dtype), cuda=cuda, group=group)
+        changed = run()
+        sync_weights(llm, _hf_params(model, dtype), cuda=cuda, group=group)
+        restored = run()
+        if changed == off or restored != off:
+            return Check("engine", "fail", "weight sync: " + ("another model's weights left the output unchanged"
+                                                            if changed == off else
+                                                            "the original weights did not restore the output"),
+                         "the trainer's weights would not reach the engines: check the worker extension and "
+                         "--vllm.sync_backend")
+        steps.append("weight sync changes and restores the output")
+        if cuda:  # --vllm.enable_sleep: OpenRLHF sleeps the engines while the trainer runs
+            llm.sleep(level=1)
+            llm.wake_up()
+            client.set_speculation(True)
+            client.stats(reset=True)
+            after = run()
+            kept = sum(client.stats(reset=True).get("accepted_tokens", {}).values())
+            if after != off or kept <= 0:
+                return Check("engine", "fail", "after a sleep/wake round trip " + (
+                    "the greedy output changed" if after != off else "no draft was accepted (index lost)"),
+                             "run without --vllm.enable_sleep and report it")
+            steps.append("sleep/wake keeps output and index")
     finally:
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001
             pass
-    if on != off:
-        return Check("engine", "fail", "greedy output with speculation on differs from off",
-                     "report it with this node's vllm/torch versions; run with --war.engine.speculation off")
-    if accepted <= 0:
-        return Check("engine", "fail", "speculation on accepted no draft token of the index's exact copies",
-                     "check that the worker extension loaded (vLLM's log at start)")
-    return Check("engine", "ok", f"greedy on == off ({'GPU' if cuda else 'CPU'}), {accepted} draft tokens accepted")
+    where = f"GPU, {args['dtype']}, {'eager' if args['enforce_eager'] else 'CUDA graphs'}" if cuda else "CPU"
+    return Check("engine", "ok", f"{'; '.join(steps)} ({where}, war-train's engine arguments)")
 
 
 _NCCL_SCRIPT = """

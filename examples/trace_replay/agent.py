@@ -7,9 +7,10 @@ returns the recorded observation text; the episode ends after the last recorded 
 are 0: the workload is the shape of the trace (lengths, observations, latencies), not a task.
 
 Both rollout paths run the same file: the WAR pool reads the per-turn bound from the
-``sampling_params`` dict that ``reset`` / ``step`` return; OpenRLHF's ``MultiTurnAgentExecutor``
-sets ``max_tokens`` itself before each turn, so :class:`AgentExecutor` hands it an engine proxy
-that applies the recorded length to each call.
+``war_turn_limits`` that ``reset`` / ``step`` return (a key OpenRLHF's executor never reads);
+OpenRLHF's ``MultiTurnAgentExecutor`` sets ``max_tokens`` itself before each turn, so
+:class:`AgentExecutor` hands it an engine proxy that applies the recorded length to each call
+(the WAR pool never calls ``execute``: ``war_bypass_execute``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class AgentInstance(AgentInstanceBase):
     async def reset(self, states: dict, **kwargs):
         self.trial = _pick_trial(_parse(states["label"]))
         self.turn = 0
-        return {"observation": states["observation"], "sampling_params": _limits(self.trial["lengths"][0])}
+        return {"observation": states["observation"], "war_turn_limits": _limits(self.trial["lengths"][0])}
 
     async def step(self, states: dict, **kwargs):
         k = self.turn
@@ -63,12 +64,10 @@ class AgentInstance(AgentInstanceBase):
         trial = self.trial
         await asyncio.sleep(trial["delays"][k] if k < len(trial["delays"]) else 0.0)
         done = self.turn >= len(trial["lengths"])
-        params = states.get("sampling_params")
-        if isinstance(params, dict) and not done:  # the WAR pool: bound the next turn here
-            params = _limits(trial["lengths"][self.turn])
         zero = torch.tensor(0.0)
-        return {"rewards": zero, "scores": zero, "done": done, "sampling_params": params, "extra_logs": {},
-                "environment_feedback": "" if done else trial["observations"][k]}
+        return {"rewards": zero, "scores": zero, "done": done, "sampling_params": states.get("sampling_params"),
+                "extra_logs": {}, "environment_feedback": "" if done else trial["observations"][k],
+                "war_turn_limits": None if done else _limits(trial["lengths"][self.turn])}
 
 
 class _RecordedLengths:
@@ -89,6 +88,9 @@ class _RecordedLengths:
 
 
 class AgentExecutor(MultiTurnAgentExecutor):
+    #: the WAR pool runs the turns itself and bounds them with ``war_turn_limits`` instead
+    war_bypass_execute = True
+
     def __init__(self):
         super().__init__(AgentInstance)
 

@@ -1,14 +1,20 @@
 """One multi-turn episode: generate a turn -> environment step -> next turn, until done.
 
-The loop follows OpenRLHF 0.11.2's ``MultiTurnAgentExecutor.execute`` token for token (the
-prompt and each environment feedback are tokenized with ``add_special_tokens=False`` and
-appended to the model's own sampled tokens, never re-tokenized), so a trajectory from the
-pool and one from OpenRLHF's executor are interchangeable for the trainer. What differs:
+The loop follows OpenRLHF 0.11.2's ``MultiTurnAgentExecutor.execute`` (openrlhf/utils/agent.py:37-185)
+token for token (the prompt and each environment feedback are tokenized with
+``add_special_tokens=False`` and appended to the model's own sampled tokens, never re-tokenized;
+the feedback of the last step too, agent.py:148-169), and shows the agent what it shows
+(:mod:`.agents` lists it), so a trajectory from the pool and one from OpenRLHF's executor are
+interchangeable for the trainer. The agent runs in this process, on a thread of its own
+(:class:`AgentThread`), not in an engine actor. What differs:
 
 * each turn goes through the pool (``TurnService.generate_turn``), which picks the engine
   per turn, re-dispatches it if an engine dies, and records it in the global suffix index;
 * while the environment runs, the trajectory is *parked* on its engine (the dispatcher
   counts it as a pending turn there);
+* ``max_turns`` ends an episode (OpenRLHF has no such bound), ``max_new_tokens_per_turn``
+  caps each turn (None: only the context, as OpenRLHF does), and the last observation is kept
+  up to ``max_context_tokens`` (OpenRLHF keeps all of it; its experience cuts it there);
 * every failure ends or annotates only this episode, with a recorded reason: a tool that
   raises or times out (``on_tool_error``: ``observe`` turns the error into the tool's output,
   ``end`` ends the episode with reward 0), a context that would exceed
@@ -22,7 +28,9 @@ import time
 import traceback
 from typing import Any, Protocol, Sequence
 
-from .agents import AgentContractError, check_step_result, turn_limits
+from .action_text import action_text as vllm_text
+from .agents import (WAR_TURN_LIMITS, AgentContractError, check_step_result, engine_sampling_kwargs,
+                     initial_sampling_params, turn_limits)
 from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
 from .turn_result import TurnResult
@@ -144,18 +152,21 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
                              limiter)
     if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
         raise AgentContractError(f"{where}reset() must return a dict with a str 'observation'")
+    limits = turn_limits(reset.get(WAR_TURN_LIMITS), f"{where}reset()")  # WAR's own bound of the first turn
     observation_text = _start_context(tokenizer, cfg, traj, reset["observation"])
     if observation_text is None:
         return
-    sampling: dict[str, Any] = {"temperature": cfg.temperature, "top_p": cfg.top_p}
-    limits = turn_limits(reset.get("sampling_params"), "reset()")  # the environment may bound a turn
+    # the object the agent sees: OpenRLHF's, set again before each turn (agent.py:94)
+    sampling = initial_sampling_params(cfg.max_new_tokens_per_turn, cfg.temperature, cfg.top_p)
+    agent_logs: set[str] = set()
     generated = 0
     for turn in range(cfg.max_turns):
         budget = cfg.max_context_tokens - len(traj.token_ids)
         if budget <= 0:
             traj.end_reason = "max_context"
             return
-        params = _turn_params(cfg, traj, sampling, limits, turn, budget)
+        sampling.max_tokens = min(cfg.turn_token_cap, budget)
+        params = engine_sampling_kwargs(sampling, limits, turn_seed(cfg.seed, traj.trajectory_id, turn), where)
         dispatched = time.perf_counter()
         try:
             out = await service.generate_turn(traj.trajectory_id, traj.group_id, traj.token_ids, params,
@@ -168,30 +179,38 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         if rec is None:
             return
         generated += rec.end - rec.start
-        action_text = tokenizer.decode(traj.token_ids[rec.start:rec.end], skip_special_tokens=False)
+        action_text = vllm_text(tokenizer, traj.token_ids[:rec.start], traj.token_ids[rec.start:rec.end],
+                                out.finish_reason, sampling)
         states = {"observation_text": observation_text, "action_text": action_text, "label": traj.label,
-                  "sampling_params": params}
+                  "sampling_params": sampling}
         step = await _tool_step(service, agent, instance, states, cfg, traj, rec, limiter, where)
         if step is None:
             return
         traj.reward += step["rewards"]
         traj.score = step["scores"] if step["scores"] is not None else traj.reward
-        traj.extra_logs.update(step["extra_logs"])
-        new_params = step["sampling_params"]
-        if isinstance(new_params, dict):
-            sampling.update({k: v for k, v in new_params.items() if k in ("temperature", "top_p")})
-        limits = turn_limits(new_params, "step()")
+        if step["from_agent"]:  # the last step's logs, as OpenRLHF keeps them (agent.py:127)
+            for key in agent_logs - set(step["extra_logs"]):
+                traj.extra_logs.pop(key, None)
+            traj.extra_logs.update(step["extra_logs"])
+            agent_logs = set(step["extra_logs"])
+        if step["environment_images"] and hasattr(tokenizer, "image_processor"):
+            raise AgentContractError(f"{where}step() returned environment_images: WAR's pool runs text-only "
+                                     "episodes (OpenRLHF would add them to a VLM's context, agent.py:130-146)")
+        feedback = _encode(tokenizer, step["environment_feedback"])
+        room = cfg.max_context_tokens - len(traj.token_ids)
+        observation_text = observation_text + action_text + step["environment_feedback"]
+        traj.token_ids.extend(feedback[:room])  # beyond the context: never a turn's input nor a sample's
+        traj.action_mask.extend([0] * len(feedback[:room]))
+        traj.logprobs.extend([0.0] * len(feedback[:room]))
+        if step["sampling_params"] is not None:  # the agent's, for every later turn (agent.py:165-166)
+            sampling = step["sampling_params"]
+        limits = step[WAR_TURN_LIMITS]
         if step["done"]:
             traj.end_reason = "done"
             return
-        feedback = _encode(tokenizer, step["environment_feedback"])
-        if len(traj.token_ids) + len(feedback) >= cfg.max_context_tokens:
-            traj.end_reason = "max_context"  # the observation would leave no room for a reply
+        if len(feedback) >= room:
+            traj.end_reason = "max_context"  # the observation leaves no room for a reply
             return
-        observation_text = observation_text + action_text + step["environment_feedback"]
-        traj.token_ids.extend(feedback)
-        traj.action_mask.extend([0] * len(feedback))
-        traj.logprobs.extend([0.0] * len(feedback))
     traj.end_reason = "max_turns"
 
 
@@ -217,20 +236,6 @@ def _start_context(tokenizer, cfg: RolloutConfig, traj: Trajectory, observation_
     traj.action_mask = [0] * len(tokens)
     traj.logprobs = [0.0] * len(tokens)
     return observation_text
-
-
-def _turn_params(cfg: RolloutConfig, traj: Trajectory, sampling: dict[str, Any], limits: dict[str, Any],
-                 turn: int, budget: int) -> dict[str, Any]:
-    """One turn's sampling parameters: the episode's sampling, the environment's limits, the budget."""
-    params = dict(sampling, max_tokens=min(cfg.turn_token_cap, budget, limits.get("max_tokens", budget)), logprobs=0)
-    if "min_tokens" in limits:
-        params["min_tokens"] = min(limits["min_tokens"], params["max_tokens"])
-    if "ignore_eos" in limits:
-        params["ignore_eos"] = limits["ignore_eos"]
-    seed = turn_seed(cfg.seed, traj.trajectory_id, turn)
-    if seed is not None:
-        params["seed"] = seed
-    return params
 
 
 def _append_turn(traj: Trajectory, out: TurnResult, params: dict[str, Any], turn: int, dispatched_s: float,
@@ -278,10 +283,10 @@ async def _tool_step(service: TurnService, agent: "AgentThread", instance: Any, 
             traj.reward, traj.score = 0.0, 0.0
             traj.end_reason, traj.error = "tool_error", msg
             return None
-        raw = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg),
-               "done": False, "sampling_params": None, "extra_logs": {}}
+        raw = {"rewards": 0.0, "scores": None, "environment_feedback": tool_error_text(msg), "done": False}
     finally:
         service.unpark(traj.trajectory_id)
     step = check_step_result(raw, f"{where}step()")  # the agent's contract: its error if broken
+    step["from_agent"] = rec.tool_error is None
     rec.tool_s = time.perf_counter() - t_tool
     return step
