@@ -105,6 +105,15 @@ def test_help_lists_war_keys_with_defaults_and_openrlhfs_arguments(capsys):
     assert "engine.model                           (set by OpenRLHF's --actor.model_name_or_path)" in out
     assert "--actor.model_name_or_path" in out and "--rollout.n_samples_per_prompt" in out  # OpenRLHF's
     assert "--preflight" in out and "--ray-address" in out
+    from war_openrlhf.dispatch import POLICIES
+
+    policy_line = next(line for line in out.splitlines() if line.lstrip().startswith("dispatch_policy "))
+    missing = [name for name in POLICIES if name not in policy_line]
+    assert not missing, f"dispatch_policy's help does not list {missing}: {policy_line}"
+    assert "context bounds a turn, as OpenRLHF's executor. war-train: null unless" in out  # a comment's 2nd line
+    # the default a war-train run gets, not RolloutConfig's: only the context bounds a turn
+    assert next(line for line in out.splitlines() if line.lstrip().startswith("max_new_tokens_per_turn ")
+                ).split()[1] == "None"
 
 
 def test_openrlhfs_arguments_are_parsed_once_and_the_trainer_gets_the_one_frozen_settings(run_args, monkeypatch):

@@ -32,3 +32,26 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
     assert results["engine"]["status"] == "ok" and "greedy on == off" in results["engine"]["detail"]
     assert "weight sync changes and restores the output" in results["engine"]["detail"]  # war-train's engine path
     assert "preflight: 5 ok" in proc.stdout or torch.cuda.is_available()
+
+
+def test_gpu_acceptance_refuses_a_machine_without_cuda_and_bad_arguments(tmp_path):
+    """tools/gpu_acceptance.py: on a CPU machine it stops at once saying where to run it; an
+    unknown step or a model path without config.json is named."""
+    import torch
+
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    model = build_tiny_model(ROOT / ".cache" / "war_tiny_model")
+    script = str(ROOT / "tools" / "gpu_acceptance.py")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    bad = subprocess.run([sys.executable, script, "--model", str(model), "--steps", "engine_path,bogus"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "--steps: unknown bogus" in bad.stderr
+    bad = subprocess.run([sys.executable, script, "--model", str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert bad.returncode == 2 and "is not a local HF model directory" in bad.stderr
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, script, "--model", str(model), "--json", str(tmp_path / "a.json")],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and "no CUDA device here" in proc.stdout
+        assert not (tmp_path / "a.json").exists()

@@ -17,6 +17,7 @@ batch) is the median of ``--repeats`` runs with min-max; the tax is ``1 - war / 
 medians, and per repeat (the same prompts back to back, so the machine's slow phases hit both).
 
   python tools/bench_engine_tax.py --json benchmarks/results/engine/engine_tax.json
+  python tools/bench_engine_tax.py --device cuda --model /models/Qwen2.5-0.5B-Instruct --json tax_gpu.json
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 CONFIGS = ("plain", "war_off", "war_auto")
 
 
-def build(name: str, model: Path, k: int):
+def build(name: str, model: Path, k: int, *, cuda: bool = False, memory: float = 0.25):
+    """One engine of the comparison, with the vLLM arguments a rollout engine of that kind gets
+    (``vllm_engine_kwargs``); on CUDA bf16 with CUDA graphs and ``memory`` of the GPU each (the
+    three share one GPU), on CPU float32 and eager."""
     from vllm import LLM
 
     from war_openrlhf.engine import EngineConfig
@@ -50,9 +54,10 @@ def build(name: str, model: Path, k: int):
     from war_openrlhf.engine.rpc import RPC_INSTALL_INDEX
 
     speculation = {"plain": "none", "war_off": "off", "war_auto": "auto"}[name]
-    cfg = EngineConfig(model=str(model), dtype="float32", max_model_len=2048, enforce_eager=True,
-                       speculation=speculation, num_speculative_tokens=k)
-    kwargs = vllm_engine_kwargs(cfg, cuda=False)
+    cfg = EngineConfig(model=str(model), dtype="bfloat16" if cuda else "float32", max_model_len=2048,
+                       enforce_eager=not cuda, speculation=speculation, num_speculative_tokens=k,
+                       gpu_memory_utilization=memory)
+    kwargs = vllm_engine_kwargs(cfg, cuda=cuda)
     llm = LLM(**kwargs)
     if cfg.drafting.has_war_index:  # an empty replica; the switch's mode as the config says
         llm.collective_rpc(RPC_INSTALL_INDEX, args=({}, {}, speculation))
@@ -73,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--logprobs", action="store_true", help="ask the sampled token's logprob (as the pool does)")
     ap.add_argument("--engine-process", action="store_true",
                     help="each engine core in its own process (the rollout engines' setup)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="cuda: bf16 engines with CUDA graphs sharing one GPU (--gpu-memory each)")
+    ap.add_argument("--gpu-memory", type=float, default=0.25, help="gpu_memory_utilization of each engine (CUDA)")
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -80,10 +88,13 @@ def main(argv=None) -> int:
 
     from war_openrlhf.fixtures.tiny_model import build_tiny_model
 
-    model = build_tiny_model(args.model)
+    from war_openrlhf.device import cuda_available
+
+    cuda = cuda_available() if args.device == "auto" else args.device == "cuda"
+    model = args.model if (args.model / "config.json").is_file() else build_tiny_model(args.model)
     configs = args.configs.split(",")
     batches = [int(b) for b in args.batches.split(",")]
-    engines = {name: build(name, model, args.k) for name in configs}
+    engines = {name: build(name, model, args.k, cuda=cuda, memory=args.gpu_memory) for name in configs}
     rng = np.random.default_rng(0)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens, min_tokens=args.new_tokens,
                         ignore_eos=True, logprobs=0 if args.logprobs else None)
@@ -131,7 +142,8 @@ def main(argv=None) -> int:
     cols = [("batch", "batch", "")] + [(f"{n}_tok_s", f"{n} tok/s", ".0f") for n in configs]
     cols += [(f"{n}_tax_pct", f"{n} tax %", ".1f") for n in configs if n != "plain"]
     print(format_table(rows, cols))
-    regime = (f"one CPU engine per config ({'own engine-core process' if args.engine_process else 'in-process engine core'}), "
+    kind = "CUDA engine (bf16, CUDA graphs)" if cuda else "CPU engine"
+    regime = (f"one {kind} per config ({'own engine-core process' if args.engine_process else 'in-process engine core'}), "
               f"temperature {args.temperature:g}{', logprobs' if args.logprobs else ''}, forced lengths, "
               "prefix cache reset before each run, empty index (nothing to draft)")
     write_json(args.json, {"benchmark": "engine_tax", "regime": regime,

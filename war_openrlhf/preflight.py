@@ -264,19 +264,31 @@ def sync_weights(llm, params: list, *, cuda: bool, group: dict) -> None:
         join()
 
 
-def _hf_params(model_dir: Path, dtype) -> list:
+def _hf_params(model_dir: Path, dtype, *, noise_seed: int | None = None) -> list:
+    """The model's parameters as the trainer holds them (HF names, the engine's dtype); with
+    ``noise_seed``, each moved by about one of its own standard deviations (weights that
+    certainly change a greedy output)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, trust_remote_code=True)
+    params = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    if noise_seed is None:
+        return params
+    gen = torch.Generator().manual_seed(noise_seed)
+    out = []
+    for n, p in params:
+        std = p.float().std().clamp_min(1e-3) if p.numel() > 1 else torch.tensor(1e-3)
+        out.append((n, (p.float() + torch.randn(p.shape, generator=gen) * std).to(p.dtype)))
+    return out
 
 
-def check_engine(workdir: Path) -> Check:
-    """The production engine path on a tiny model: ``war-train``'s engine settings and vLLM
-    arguments (WAR's drafting behind OpenRLHF's worker extension, bf16 and CUDA graphs on
-    CUDA), greedy with drafting on == off and drafts accepted; one weight sync (another
-    model's weights change the output, the original's restore it); on CUDA one sleep/wake
-    round trip keeps the greedy output and the index."""
+def check_engine(workdir: Path, model_dir: Path | None = None, *, prompts_n: int = 4, new_tokens: int = 48) -> Check:
+    """The production engine path on a model (default: the tiny local one): ``war-train``'s
+    engine settings and vLLM arguments (WAR's drafting behind OpenRLHF's worker extension, bf16
+    and CUDA graphs on CUDA), greedy with drafting on == off and drafts accepted; one weight
+    sync (perturbed weights change the output, the original ones restore it); on CUDA one
+    sleep/wake round trip keeps the greedy output and the index."""
     from .engine.launch import vllm_engine_kwargs
     from .engine.rpc import EngineIndexClient
     from .fixtures.tiny_model import build_tiny_model
@@ -290,8 +302,7 @@ def check_engine(workdir: Path) -> Check:
     import torch
 
     cuda = bool(_gpus())
-    model = build_tiny_model(workdir / "war_tiny_model")
-    other = build_tiny_model(workdir / "war_tiny_model_seed1", seed=1)
+    model = Path(model_dir) if model_dir is not None else build_tiny_model(workdir / "war_tiny_model")
     if not cuda:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = preflight_engine_config(str(model), cuda=cuda)
@@ -303,8 +314,8 @@ def check_engine(workdir: Path) -> Check:
     try:
         client = EngineIndexClient(llm)
         client.install({})
-        prompts = [[5 + i, 9, 11 + i, 7, 3] for i in range(4)]
-        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        prompts = [[5 + i, 9, 11 + i, 7, 3] for i in range(prompts_n)]
+        sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
 
         def run() -> list[list[int]]:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -330,12 +341,12 @@ def check_engine(workdir: Path) -> Check:
         dtype = torch.bfloat16 if cuda else torch.float32
         group: dict = {}
         client.set_speculation(False)
-        sync_weights(llm, _hf_params(other, dtype), cuda=cuda, group=group)
+        sync_weights(llm, _hf_params(model, dtype, noise_seed=1), cuda=cuda, group=group)
         changed = run()
         sync_weights(llm, _hf_params(model, dtype), cuda=cuda, group=group)
         restored = run()
         if changed == off or restored != off:
-            return Check("engine", "fail", "weight sync: " + ("another model's weights left the output unchanged"
+            return Check("engine", "fail", "weight sync: " + ("changed weights left the output unchanged"
                                                             if changed == off else
                                                             "the original weights did not restore the output"),
                          "the trainer's weights would not reach the engines: check the worker extension and "

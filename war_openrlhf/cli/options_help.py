@@ -44,10 +44,16 @@ def _comments(name: str, prefix: str) -> dict[str, str]:
     out: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
     pending: list[str] = []
+    last: str | None = None  # the key whose inline comment an indented comment line continues
     for raw in config_path(name).read_text().splitlines():
         if raw.strip().startswith("#"):
-            pending.append(raw.strip().lstrip("#").strip())
+            text = raw.strip().lstrip("#").strip()
+            if last is not None and raw[:1].isspace() and not pending:
+                out[last] += " " + text
+            else:
+                pending.append(text)
             continue
+        last = None
         m = _KEY_LINE.match(raw)
         if not m:
             pending = []
@@ -59,6 +65,8 @@ def _comments(name: str, prefix: str) -> dict[str, str]:
         text = comment or (" ".join(pending) if pending else "")
         if text:
             out[dotted] = text
+        if comment:
+            last = dotted
         pending = []
         if value == "":
             stack.append((indent, key))
@@ -96,7 +104,7 @@ def dispatch_options_help() -> list[str]:
 
 
 def war_help() -> str:
-    from ..integrations.openrlhf import OPENRLHF_OWNED
+    from ..integrations.openrlhf import OPENRLHF_OWNED, WAR_TRAIN_DEFAULTS
 
     notes = {**_comments("suffix_index", "engine.index."), **_comments("engine", "engine."),
              **_comments("rollout", "")}
@@ -106,6 +114,7 @@ def war_help() -> str:
             owner = OPENRLHF_OWNED[key]
             lines.append(f"  {key:<38} (set by OpenRLHF's --{owner})")
             continue
+        default = WAR_TRAIN_DEFAULTS.get(key, default)  # what a war-train run gets
         lines.append(f"  {key:<38} {default!r:<12} {notes.get(key, '')}".rstrip())
     lines += ["", "Dispatch policy options (--war.dispatch_kwargs.KEY VALUE; checked against dispatch_policy):"]
     lines += dispatch_options_help()

@@ -64,7 +64,12 @@ OPENRLHF_OWNED: dict[str, str] = {
     "engine.enable_sleep_mode": "vllm.enable_sleep",
     "engine.full_determinism": "train.full_determinism_enable",
     "engine.logprobs_mode": "algo.advantage.is_correction_level",
+    "engine.weight_sync_dtype": "ds.param_dtype",
 }
+
+#: WAR keys whose default in ``war-train`` is not ``RolloutConfig``'s: as OpenRLHF's executor,
+#: only the context bounds a turn unless a cap is given.
+WAR_TRAIN_DEFAULTS: dict[str, Any] = {"max_new_tokens_per_turn": None}
 
 #: OpenRLHF's --ds.param_dtype choices -> the engine dtype its weight sync sends.
 _PARAM_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -115,8 +120,7 @@ def war_settings(war: Mapping[str, Any], args: Any) -> RolloutConfig:
     completed from OpenRLHF's parsed arguments (``train_ppo_ray``'s checked namespace). An
     unset ``max_new_tokens_per_turn`` is ``None`` here: only the context bounds a turn, as in
     OpenRLHF's own agent executor. Raises ``ValueError`` naming the key or the argument."""
-    war = dict(war)
-    war.setdefault("max_new_tokens_per_turn", None)
+    war = {**WAR_TRAIN_DEFAULTS, **dict(war)}
     top = {k: _dig(args, v) for k, v in OPENRLHF_OWNED.items() if not k.startswith("engine.")}
     top["num_engines"] = int(top["num_engines"])
     top["agent_func_path"] = top["agent_func_path"] or ""
