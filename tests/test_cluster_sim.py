@@ -307,6 +307,8 @@ def test_critical_path_accounts_for_the_last_trajectory_exactly():
         assert cp["end_s"] == pytest.approx(r.makespan_s)
         assert 0 <= cp["engine"] < 3 and cp["turns"] == 5
         assert cp["dominant"] in ("admission_wait_s", "tool_s", "queue_s", "prefill_s", "decode_s")
+        # the step's tail: after 90% of the 12 trajectories ended, until the last (this one) did
+        assert 0.0 <= cp["tail10_share"] < 1.0 and cp["trajectory_p99_s"] <= cp["end_s"] + 1e-9
 
 
 def test_cache_reset_between_steps_and_warmup_steps():

@@ -13,7 +13,8 @@ from war_openrlhf.training.samples_generator import rollout_metrics
 
 def _result():
     turn = SimpleNamespace(engine=0, start=4, generate_s=0.3, tool_s=0.1, attempts=1, queue_s=0.05, prefill_s=0.02)
-    traj = SimpleNamespace(turns=[turn], token_ids=[1, 2, 3, 4, 5, 6], reward=1.0, end_reason="done")
+    traj = SimpleNamespace(turns=[turn], token_ids=[1, 2, 3, 4, 5, 6], reward=1.0, end_reason="done",
+                           finished_s=0.9, wall_s=0.9)
     return SimpleNamespace(tokens_per_s=10.0, wall_s=1.0, generated_tokens=2, turns=1, prefix_hit_rate=0.5,
                            redispatched_turns=0, deferrals=0, trajectories=[traj], engine_turns=[1, 0])
 
@@ -94,3 +95,29 @@ def test_running_counters_are_reported_per_batch_not_since_start():
     deferred = _result()
     deferred.deferrals, deferred.deferred_wait_s = 4, 2.0
     assert rollout_metrics(deferred, pool, before, after)["war/deferred_wait_s_mean"] == pytest.approx(0.5)
+
+
+def test_tail_figures_are_the_share_after_ninety_percent_finished_and_p99():
+    """The last 10% of trajectories (at least one): the step's time after the k-th finish,
+    k = floor(0.9 n), over the step; a brute-force reading of the same definition."""
+    import math
+
+    import numpy as np
+
+    from war_openrlhf.metrics.tail import tail_figures
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 9, 10, 11, 37, 100):
+        f = rng.exponential(5.0, size=n) + 0.1
+        w = f * rng.uniform(0.5, 1.0, size=n)
+        got = tail_figures(f.tolist(), w.tolist())
+        order = sorted(f)
+        k = max(1, math.floor(0.9 * n))
+        assert got["tail10_share"] == pytest.approx((order[-1] - order[k - 1]) / order[-1])
+        assert 0.0 <= got["tail10_share"] < 1.0
+        assert got["trajectory_p99_s"] == pytest.approx(np.percentile(w, 99))
+    # one straggler: 10 trajectories done at 1 s, one at 10 s -> 90% of the step is its alone
+    assert tail_figures([1.0] * 10 + [10.0], [1.0] * 10 + [10.0])["tail10_share"] == pytest.approx(0.9)
+    assert tail_figures([], []) == {"tail10_share": 0.0, "trajectory_p99_s": 0.0, "trajectory_p50_s": 0.0}
+    m = rollout_metrics(_result(), _pool(), [EngineStats(engine=0)], [EngineStats(engine=0)])
+    assert m["war/tail10_share"] == 0.0 and m["war/trajectory_p99_s"] == pytest.approx(0.9)

@@ -210,6 +210,30 @@ def test_batch_of_episodes_end_to_end(pool):
         assert float(e.rewards[0]) == 1.0
 
 
+def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
+    """Real engines measure their own steps (engine/step_meter.py) and the pool polls them every
+    ``load_interval_s``: after a batch each engine has a step regression from its busy steps,
+    the dispatcher's EngineState carries it with the waiting queue (never more than what is in
+    flight) and KV in use, and WAR's dispatcher priced turns with it, not with its fallback."""
+    pool.run_batch(["Question: what is 2+3?", "Find the status of flight AA12.", "Book seat 3A."],
+                   ["ok", "ok", "ok"])
+    asyncio.run(asyncio.gather(*(e.refresh_load() for e in pool.engines)))
+    for e in pool.engines:
+        load = e.load
+        assert load["step_samples"] >= 16, load
+        assert load["step_s"] > 0 or load["step_per_seq_s"] > 0, load
+        assert min(load["step_s"], load["step_per_seq_s"], load["prefill_token_s"]) >= 0
+        state = e.dispatch_state()
+        assert (state.step_s, state.step_per_seq_s, state.prefill_token_s) == (
+            load["step_s"], load["step_per_seq_s"], load["prefill_token_s"])
+        assert state.waiting <= e.in_flight and state.running + state.waiting == e.in_flight
+    stats = asyncio.run(pool.engine_stats())
+    assert all(s.step_s > 0 or s.step_per_seq_s > 0 for s in stats)  # the report carries it too
+    # WAR's dispatcher priced turns with the engines' measurements (not its turn-latency fallback)
+    assert pool.policy._engine_rates is not None
+    assert pool.policy.metrics()["step_ms"] == pytest.approx(pool.policy._engine_rates[1] * 1e3)
+
+
 def test_logprobs_equal_a_plain_forward_pass(pool):
     import torch
     from transformers import AutoModelForCausalLM

@@ -218,14 +218,15 @@ def print_table(rows, info, ceiling):
               f"{d['x_best_peer']:.3f} |")
     print("\nCritical path (the trajectory that finished last, where its time went):\n")
     print("| policy | trajectory | turns | last engine | its busy / mean | admission wait s | "
-          "tools s | queue s | prefill s | decode s | prefilled tokens |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "tools s | queue s | prefill s | decode s | prefilled tokens | tail 10% share | trajectory p99 s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for pol, d in rows.items():
         for cp in d.get("critical_paths", []):
             print(f"| {pol} | {cp['trajectory']} | {cp['turns']} | {cp['engine']} | "
                   f"{cp['engine_busy_over_mean']:.2f} | {cp['admission_wait_s']:.2f} | "
                   f"{cp['tool_s']:.2f} | {cp['queue_s']:.2f} | {cp['prefill_s']:.2f} | "
-                  f"{cp['decode_s']:.2f} | {cp['prefill_tokens']:,} |")
+                  f"{cp['decode_s']:.2f} | {cp['prefill_tokens']:,} | {cp['tail10_share']:.2f} | "
+                  f"{cp['trajectory_p99_s']:.2f} |")
     print(f"\nContention-free ceiling (one engine per trajectory, unlimited KV, same delays): "
           f"makespan {ceiling['makespan_s']:.2f} s, {ceiling['throughput_tok_s']:,.0f} tok/s = "
           f"{ceiling['x_least_loaded']:.2f}x least_loaded: no dispatcher can exceed it.")

@@ -73,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from war_openrlhf.metrics import write_json  # noqa: E402
+from war_openrlhf.metrics.tail import tail_figures  # noqa: E402
 
 TASKS = ("arithmetic_calculator", "sql_qa", "doc_lookup")
 BASELINES = {"openrlhf": None, "openrlhf_vllm_suffix": "suffix"}
@@ -294,6 +295,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         "trajectories": len(res.trajectories), "turns": res.turns,
         "final_context_tokens_mean": statistics.mean(len(t.token_ids) for t in res.trajectories),
         "turn_latency_p50_s": _percentile(latencies, 0.5), "turn_latency_p99_s": _percentile(latencies, 0.99),
+        # the step's straggler: share of the step after 90% of trajectories ended, p99 duration
+        **tail_figures([t.finished_s for t in res.trajectories], [t.wall_s for t in res.trajectories]),
         "engine_prefix_hit_rate": d["prefix_cache_hits"] / d["prefix_cache_queries"] if d["prefix_cache_queries"] else None,
         "preemptions": d["preemptions"],
         "tokens_per_verification_step": 1.0 + d["spec_accepted_tokens"] / drafts if drafts else None,
@@ -378,6 +381,7 @@ def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, w
     queries = d.get("vllm:prefix_cache_queries", 0.0)
     return {"step_s": st["wall_s"], "generated_tokens": st["action_tokens"], "throughput_tok_s": st["tokens_per_s"],
             "trajectories": st["trajectories"], "turns": None, "turn_latency_p50_s": None, "turn_latency_p99_s": None,
+            "tail10_share": None, "trajectory_p99_s": None,  # OpenRLHF's generator returns no per-sample end times
             "engine_prefix_hit_rate": d["vllm:prefix_cache_hits"] / queries if queries else None,
             "preemptions": int(d["vllm:num_preemptions"]) if d else None,
             "tokens_per_verification_step": 1.0 + d["vllm:spec_decode_num_accepted_tokens"] / drafts if drafts else None,
@@ -397,6 +401,11 @@ def _summarise(runs, base_step):
     out["throughput_tok_s"] = statistics.median(r["throughput_tok_s"] for r in runs)
     out["throughput_tok_s_runs"] = [round(r["throughput_tok_s"], 1) for r in runs]
     out["x_openrlhf"] = base_step / out["step_s"] if base_step else None
+    for key in ("tail10_share", "trajectory_p99_s"):  # medians over the runs, with each run's value
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        if vals:
+            out[key] = statistics.median(vals)
+            out[f"{key}_runs"] = [round(v, 3) for v in vals]
     return out
 
 
@@ -641,14 +650,15 @@ def main(argv=None):
     print(f"\n### {args.workload}, {args.engines} engines, load {regime['load']} ({regime['episodes_per_engine']:g} "
           f"episodes/engine), {kv_text}, pressure {f(pressure, '.2f')}, tools: {tool_text}, "
           f"median of {args.repeats}\n")
-    print("| config | step s (spread) | x openrlhf | tok/s | tokens | turn p50/p99 s | prefix hit | preempt | "
-          "tok/verif step | acceptance | speculating | KV peak |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    print("| config | step s (spread) | x openrlhf | tok/s | tokens | turn p50/p99 s | tail 10% share | "
+          "trajectory p99 s | prefix hit | preempt | tok/verif step | acceptance | speculating | KV peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for c, d in summary.items():
         lat = ("n/a" if d.get("turn_latency_p50_s") is None
                else f"{d['turn_latency_p50_s']:.2f}/{d['turn_latency_p99_s']:.2f}")
         print(f"| {c} | {d['step_s']:.2f} ({d['step_s_spread'][0]:.2f}-{d['step_s_spread'][1]:.2f}) | "
               f"{f(d['x_openrlhf'], '.2f')} | {d['throughput_tok_s']:,.0f} | {d['generated_tokens']:,} | {lat} | "
+              f"{f(d.get('tail10_share'), '.2f')} | {f(d.get('trajectory_p99_s'), '.2f')} | "
               f"{f(d.get('engine_prefix_hit_rate'), '.3f')} | {f(d.get('preemptions'), 'd')} | "
               f"{f(d.get('tokens_per_verification_step'), '.2f')} | {f(d.get('acceptance'), '.2f')} | "
               f"{d.get('speculating_fraction', 'n/a')} | {d.get('kv_usage_peak', 'n/a')} |")

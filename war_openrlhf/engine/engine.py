@@ -33,6 +33,7 @@ from ..speculation.log import LogEntry
 from ..versions import check_openrlhf_version
 from .config import EngineConfig, check_startup
 from .launch import cpu_engine_env, device_env_for_engine, vllm_engine_kwargs
+from .step_meter import StepMeter
 from .rpc import (
     RPC_APPLY_LOG,
     RPC_INDEX_STATS,
@@ -64,6 +65,7 @@ class _SchedulerStatsLogger:
             "preemptions": 0,
         }
         self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+        self.meter = StepMeter()  # the engine's own step cost, from its busy steps
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         t = self.totals
@@ -73,6 +75,10 @@ class _SchedulerStatsLogger:
                 "waiting": scheduler_stats.num_waiting_reqs,
                 "kv_cache_usage": float(scheduler_stats.kv_cache_usage),
             }
+            if iteration_stats is not None:
+                self.meter.step(time.perf_counter(), int(iteration_stats.num_generation_tokens),
+                                int(iteration_stats.num_prompt_tokens),
+                                busy_after=scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs > 0)
             pc = scheduler_stats.prefix_cache_stats
             if pc is not None:
                 t["prefix_cache_queries"] += pc.queries
@@ -87,6 +93,12 @@ class _SchedulerStatsLogger:
             t["preemptions"] += int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0)
             t["prompt_tokens"] += iteration_stats.num_prompt_tokens
             t["generation_tokens"] += iteration_stats.num_generation_tokens
+
+    def load(self) -> dict[str, Any]:
+        """What the dispatcher reads: the latest queue and KV, and the measured step cost."""
+        step_s, per_seq, per_prefill = self.meter.fit()
+        return {**self.current, "step_s": step_s, "step_per_seq_s": per_seq, "prefill_token_s": per_prefill,
+                "step_samples": len(self.meter.samples)}
 
     def log_engine_initialized(self) -> None:
         pass
@@ -462,7 +474,7 @@ class WarEngine:
         if self._kv_events is not None:
             out["kv_events"] = self._kv_events.stats()
         if logger is not None:
-            out.update(logger.current)
+            out.update(logger.load())
             out.update(logger.totals)
         if self.llm is not None:
             cache = self.llm.vllm_config.cache_config
@@ -472,6 +484,14 @@ class WarEngine:
         if self.config.drafting.has_war_index and self.llm is not None:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out
+
+    async def load(self) -> dict[str, Any]:
+        """The engine's load for the dispatcher, cheap enough to poll every tenth of a second:
+        running / waiting requests and KV usage as of its last step, and its measured step cost
+        (``step_s + step_per_seq_s * sequences + prefill_token_s * prompt tokens``; zeros until
+        measured)."""
+        logger = self._stats_logger
+        return logger.load() if logger is not None else {}
 
     async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]:
         """Start the replica afresh (an empty index) for the log of ``owner`` (a pool), whose next

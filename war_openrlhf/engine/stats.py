@@ -30,6 +30,11 @@ class EngineStats:
     kv_cache_usage: float = 0.0
     kv_capacity_tokens: int | None = None
     kv_block_size: int | None = None  # the engine's KV block: its prefix cache reuses whole blocks only
+    # the engine's measured step cost (engine/step_meter.py): step_s + step_per_seq_s x sequences
+    # + prefill_token_s x prompt tokens; zeros until measured
+    step_s: float = 0.0
+    step_per_seq_s: float = 0.0
+    prefill_token_s: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_drafts: int = 0
@@ -61,6 +66,8 @@ class EngineStats:
             kv_cache_usage=float(d.get("kv_cache_usage", 0.0) or 0.0),
             kv_capacity_tokens=int(cap) if cap else None,
             kv_block_size=int(d["kv_block_size"]) if d.get("kv_block_size") else None,
+            step_s=float(d.get("step_s", 0.0) or 0.0), step_per_seq_s=float(d.get("step_per_seq_s", 0.0) or 0.0),
+            prefill_token_s=float(d.get("prefill_token_s", 0.0) or 0.0),
             **{k: int(d.get(k, 0) or 0) for k in COUNTERS},
             spec_step_fraction=switch.get("spec_step_fraction"),
             index_applied_seq=index.get("applied_seq"), index_owner=d.get("index_owner"),

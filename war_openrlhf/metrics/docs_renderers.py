@@ -530,3 +530,15 @@ def spec_low_target(d: dict) -> str:
                      "their engines' steps")
     ok = vs_suffix >= 1.15 and vs_base >= 1.6
     return "; ".join(parts) + f". Target (>= 1.15x vLLM's suffix and >= 1.6x openrlhf): {'met' if ok else 'missed'}.\n"
+
+
+# ---- remaining work from siblings (tools/bench_remaining_work.py) -------------------------
+@renderer("remaining_work")
+def remaining_work(d: dict) -> str:
+    rows = []
+    for r in d["rows"]:
+        rho = r.get("spearman_mean")
+        rows.append([r["half"], r["predictor"], f"{r['mae_turns']:.2f}",
+                     "- (one value per round: no ranking)" if rho is None else f"{rho:.3f}", str(r["predictions"])])
+    return md_table(["half", "predictor", "MAE (turns)", "Spearman with true remaining", "predictions"],
+                    ["l", "l", "r", "r", "r"], rows)

@@ -50,6 +50,7 @@ class RolloutConfig:
     turn_timeout_s: float = 900.0  # an engine silent this long on one turn is hung: treated as dead
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
+    load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
     progress: bool = True
     warm_up: bool = True
     dump_dir: str = ""
@@ -96,6 +97,7 @@ class RolloutConfig:
         for name in ("tool_timeout_s", "log_sync_interval_s", "stats_interval_s", "turn_timeout_s",
                      "recovery_probe_interval_s"):  # seconds
             check_number("RolloutConfig", name, getattr(self, name), gt=0)
+        check_number("RolloutConfig", "load_interval_s", self.load_interval_s, ge=0)
         check_number("RolloutConfig", "temperature", self.temperature, ge=0)
         check_number("RolloutConfig", "top_p", self.top_p, gt=0, le=1)
         if self.max_new_tokens_per_turn is not None and self.max_new_tokens_per_turn >= self.max_context_tokens:

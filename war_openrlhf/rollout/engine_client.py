@@ -40,6 +40,8 @@ class EngineHandle(Protocol):
 
     async def stats(self) -> dict[str, Any]: ...
 
+    # optional: ``load()`` (the dispatcher's queue, KV and step-cost feed; EngineClient.refresh_load)
+
 
 #: The methods of :class:`EngineHandle` (for error messages).
 ENGINE_METHODS = ("generate_tokens", "push_log", "flush_log", "reset_index", "stats")
@@ -96,6 +98,7 @@ class EngineClient:
         self.peak_kv_usage = 0.0  # highest KV-cache usage in a stats report this batch (the pool resets it)
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
+        self.load: dict[str, Any] = {}  # the engine's last load report (refresh_load): queue, KV, step cost
         self.on_dead: Any = None  # called once with this client when it is marked dead (the pool's recovery)
 
     # ------------------------------------------------------------------ calls
@@ -126,6 +129,19 @@ class EngineClient:
             exc = TimeoutError(f"no answer to a turn within {timeout_s:g} s: treated as hung")
             self.mark_dead(exc)
             raise EngineDead(f"engine {self.index}: {self.error}") from None
+
+    async def refresh_load(self) -> None:
+        """Read the engine's load (``WarEngine.load``: its waiting queue, KV in use, measured
+        step cost) for the dispatcher; a dead engine is marked so, an engine without the call
+        (another actor kind) is left at its last report."""
+        if not self.healthy:
+            return
+        try:
+            report = await self._call("load")
+        except (EngineDead, AttributeError):
+            return
+        if isinstance(report, dict):
+            self.load = report
 
     async def kv_events(self) -> list:
         return await self._call("kv_events")
@@ -212,11 +228,19 @@ class EngineClient:
         kill_actor(self.handle)
 
     def dispatch_state(self) -> EngineState:
-        """The dispatcher's snapshot of this engine."""
-        used = 0
-        if self.last_stats is not None and self.kv_capacity_tokens:
-            used = int(self.last_stats.kv_cache_usage * self.kv_capacity_tokens)
-        return EngineState(self.index, self.in_flight, 0, self.queued_tokens, self.kv_capacity_tokens,
+        """The dispatcher's snapshot of this engine: the requests in flight (exact: this client
+        sent them), of which the engine last reported ``waiting`` still queued; KV in use and
+        the measured step cost from its latest load report (:meth:`refresh_load`, else the
+        latest stats)."""
+        load = self.load or {}
+        usage = float(load.get("kv_cache_usage", self.last_stats.kv_cache_usage if self.last_stats else 0.0) or 0.0)
+        used = int(usage * self.kv_capacity_tokens) if self.kv_capacity_tokens != UNKNOWN_KV_TOKENS else 0
+        waiting = min(max(int(load.get("waiting", 0) or 0), 0), self.in_flight)
+        stats = self.last_stats
+        return EngineState(self.index, self.in_flight - waiting, waiting, self.queued_tokens, self.kv_capacity_tokens,
                            max(0, self.parked), self.healthy, self.kv_block_size,
+                           step_s=float(load.get("step_s", stats.step_s) or 0.0),
+                           step_per_seq_s=float(load.get("step_per_seq_s", stats.step_per_seq_s) or 0.0),
+                           prefill_token_s=float(load.get("prefill_token_s", stats.prefill_token_s) or 0.0),
                            kv_used_tokens=max(used, 0))
 

@@ -140,7 +140,9 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
     finally:
         agent.close()
         service.unpark(trajectory_id)
-    traj.wall_s = time.perf_counter() - start
+    end = time.perf_counter()
+    traj.wall_s = end - start
+    traj.finished_s = end - t0
     return traj
 
 

@@ -215,6 +215,7 @@ class RolloutPool:
 
     async def _background(self, bar, tokens0: int, t0: float) -> None:
         """Every ``log_sync_interval_s``: ship the log (and read KV events); every
+        ``load_interval_s``: the engines' loads for the dispatcher (queue, KV, step cost); every
         ``stats_interval_s``: the engines' reports, and the progress bar."""
         async def log_loop() -> None:
             while True:
@@ -222,6 +223,15 @@ class RolloutPool:
                 await self.shipper.sync_in_background()
                 if self.config.kv_events:
                     await self.router.poll_kv_events()
+
+        async def load_loop() -> None:
+            while True:
+                await asyncio.sleep(self.config.load_interval_s)
+                try:
+                    await asyncio.gather(*(e.refresh_load() for e in self.engines))
+                except Exception:  # noqa: BLE001 - reported; the dispatcher keeps the last reports
+                    self._stats_errors += 1
+                    log.exception("engine load poll failed (the dispatcher keeps the last reports)")
 
         async def stats_loop() -> None:
             while True:
@@ -238,7 +248,10 @@ class RolloutPool:
                     bar.set_postfix({"tok/s": f"{rate:.0f}",
                                      "spec": "n/a" if spec is None else f"{spec:.0%}"}, refresh=True)
 
-        await asyncio.gather(log_loop(), stats_loop())
+        loops = [log_loop(), stats_loop()]
+        if self.config.load_interval_s > 0:
+            loops.append(load_loop())
+        await asyncio.gather(*loops)
 
     @property
     def background_errors(self) -> int:

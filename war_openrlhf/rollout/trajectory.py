@@ -66,6 +66,7 @@ class Trajectory:
     extra_logs: dict[str, float] = field(default_factory=dict)
     truncated: bool = False
     wall_s: float = 0.0
+    finished_s: float = 0.0  # when the episode ended, seconds since its batch started (the step's tail)
 
     @property
     def action_ranges(self) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 import numpy as np
 
 from ..dispatch.block_index import BLOCK_SIZE
+from ..metrics.tail import tail_figures
 
 if TYPE_CHECKING:
     from .cluster import _Traj
@@ -153,7 +154,8 @@ def oracle_hit_rate(trajs: Sequence["_Traj"], block_size: int = BLOCK_SIZE) -> T
 def critical_path(paths: List[dict], engines: Sequence["SimEngine"], busy_at_start: List[float]) -> dict:
     """The step's critical path: the trajectory that finished last, its time split into
     admission wait (deferred first turn), tool calls, queueing for a batch slot or KV, prefill
-    and decode, and how busy its last engine was compared with the others in this step. A
+    and decode, how busy its last engine was compared with the others in this step, and the
+    step's tail figures (:func:`~war_openrlhf.metrics.tail.tail_figures`). A
     straggler whose ``queue_s`` or ``prefill_s`` is large lost the step to placement; one
     whose ``tool_s`` + ``decode_s`` is nearly its whole span was bound by its own length."""
     last = max(paths, key=lambda p: p["end_s"])
@@ -167,6 +169,9 @@ def critical_path(paths: List[dict], engines: Sequence["SimEngine"], busy_at_sta
     spans = {k: last[k] for k in ("admission_wait_s", "tool_s", "queue_s", "prefill_s",
                                   "decode_s")}
     out["dominant"] = max(spans, key=spans.get)
+    # ``end_s`` counts from the step's start, where every trajectory of a synchronous step arrives
+    ends = [p["end_s"] for p in paths]
+    out.update(tail_figures(ends, ends))
     return out
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.stats import EngineStats
+from ..metrics.tail import tail_figures
 from ..rollout import RolloutConfig, RolloutPool, to_experiences
 from ..rollout.trajectory import uniform_info
 from ..versions import check_openrlhf_version
@@ -58,6 +59,10 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
         "war/reward_mean": float(np.mean([t.reward for t in result.trajectories])),
         "war/episodes_failed": float(sum(t.end_reason.endswith("error") for t in result.trajectories)),
     }
+    # the step's straggler: share of the rollout after 90% of trajectories ended, p99 / p50 duration
+    for k, v in tail_figures([t.finished_s for t in result.trajectories],
+                             [t.wall_s for t in result.trajectories]).items():
+        m[f"war/{k}"] = v
     # the dispatcher's own estimate of prefix hits (WAR's block model), when it keeps one
     est = [pool.policy.estimated_cached_tokens(r.engine, np.asarray(t.token_ids[:r.start], dtype=np.int32))
            for t in result.trajectories for r in t.turns[:1]]

@@ -1,0 +1,71 @@
+"""The engine's own step-cost meter: its non-negative least squares against a brute-force
+reference, recovery of known costs, and which output gaps count as steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from war_openrlhf.engine.step_meter import StepMeter, nonnegative_step_fit
+
+
+def _brute_force_nnls(samples: np.ndarray, grid: int = 41) -> float:
+    """The smallest squared error of any non-negative (a, b, c): a coarse grid around the
+    unconstrained fit, refined by coordinate descent from every grid point's best."""
+    y = samples[:, 0]
+    x = np.column_stack([np.ones(len(samples)), samples[:, 1], samples[:, 2]])
+    best = np.inf
+    coef = np.zeros(3)
+    for _ in range(200):  # projected coordinate descent: converges to the NNLS optimum (convex)
+        for j in range(3):
+            r = y - x @ coef + x[:, j] * coef[j]
+            denom = float(x[:, j] @ x[:, j])
+            coef[j] = max(0.0, float(x[:, j] @ r) / denom) if denom > 0 else 0.0
+        best = min(best, float(np.sum((x @ coef - y) ** 2)))
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 2.0), st.integers(0, 256), st.integers(0, 4096)), min_size=4, max_size=40))
+def test_fit_is_the_best_non_negative_least_squares(rows):
+    samples = np.asarray(rows, dtype=np.float64)
+    a, b, c = nonnegative_step_fit(samples)
+    assert min(a, b, c) >= 0
+    x = np.column_stack([np.ones(len(samples)), samples[:, 1], samples[:, 2]])
+    sse = float(np.sum((x @ np.array([a, b, c]) - samples[:, 0]) ** 2))
+    assert sse <= _brute_force_nnls(samples) * (1 + 1e-6) + 1e-12
+
+
+def test_known_step_costs_are_recovered_and_a_negative_one_is_dropped():
+    rng = np.random.default_rng(0)
+    meter = StepMeter(window=256, min_samples=16)
+    t = 0.0
+    assert meter.fit() == (0.0, 0.0, 0.0)  # not measured yet
+    for _ in range(200):
+        seqs, prompt = int(rng.integers(1, 64)), int(rng.choice([0, 0, 0, 512]))
+        dt = 0.02 + 0.001 * seqs + 0.0001 * prompt + rng.normal(0, 1e-4)
+        t += dt
+        meter.step(t, seqs, prompt, busy_after=True)
+    a, b, c = meter.fit()
+    assert a == pytest.approx(0.02, rel=0.05) and b == pytest.approx(0.001, rel=0.05)
+    assert c == pytest.approx(0.0001, rel=0.05)
+    # steps that get cheaper with more sequences (noise, another process): no negative cost
+    rows = np.array([[0.05 - 0.0005 * s, s, 0] for s in range(1, 40)], dtype=np.float64)
+    a, b, c = nonnegative_step_fit(rows)
+    assert b == 0.0 and a == pytest.approx(rows[:, 0].mean())
+
+
+def test_only_gaps_after_a_busy_step_are_steps():
+    meter = StepMeter(window=16, min_samples=3, max_gap_s=1.0)
+    meter.step(0.0, 4, 0, busy_after=True)
+    meter.step(0.1, 4, 0, busy_after=False)  # counted (0.1 s); the engine then went idle
+    meter.step(3.0, 4, 0, busy_after=True)  # the gap after an idle engine: not a step
+    meter.step(3.05, 4, 0, busy_after=True)  # counted
+    meter.idle()
+    meter.step(3.5, 4, 0, busy_after=True)  # after idle(): not a step
+    meter.step(5.0, 4, 0, busy_after=True)  # 1.5 s > max_gap_s: not a step
+    meter.step(5.2, 0, 0, busy_after=True)  # a step that produced nothing: not counted
+    assert [round(s[0], 3) for s in meter.samples] == [0.1, 0.05]
+    with pytest.raises(ValueError, match="min_samples"):
+        StepMeter(window=4, min_samples=8)
