@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "checks": {"engine", "speculation"},
     "fixtures": {"device", "engine", "rollout"},
     "baselines": {"config_checks", "cpu", "device", "dispatch", "engine", "rollout"},
-    "training": {"engine", "rollout", "dispatch", "versions"},
+    "training": {"engine", "rollout", "dispatch", "versions", "metrics"},
     "integrations": {"cpu", "device", "engine", "rollout", "training", "versions"},
     "preflight": {"cpu", "engine", "fixtures", "integrations", "speculation"},
     "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",

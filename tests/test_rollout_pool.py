@@ -217,7 +217,10 @@ def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
     flight) and KV in use, and WAR's dispatcher priced turns with it, not with its fallback."""
     pool.run_batch(["Question: what is 2+3?", "Find the status of flight AA12.", "Book seat 3A."],
                    ["ok", "ok", "ok"])
-    asyncio.run(asyncio.gather(*(e.refresh_load() for e in pool.engines)))
+    async def refresh():
+        await asyncio.gather(*(e.refresh_load() for e in pool.engines))
+
+    asyncio.run(refresh())
     for e in pool.engines:
         load = e.load
         assert load["step_samples"] >= 16, load
