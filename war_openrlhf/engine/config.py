@@ -62,6 +62,9 @@ class EngineConfig:
     # the dtype the trainer's weight sync sends (war-train: --ds.param_dtype). OpenRLHF's WorkerWrap
     # asserts it equals the engine's, so on CUDA ``auto`` becomes it and another dtype is refused
     weight_sync_dtype: str | None = None
+    # vLLM's scheduling_policy: fcfs, or priority (requests carry a priority, lower first; the pool's
+    # turn_priority longest_first sends the predicted stragglers' turns first)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if isinstance(self.index, dict):
@@ -73,6 +76,8 @@ class EngineConfig:
         if self.weight_sync_dtype is not None and self.weight_sync_dtype not in DTYPES[1:]:
             raise ValueError(f"EngineConfig.weight_sync_dtype: '{self.weight_sync_dtype}' is not one of "
                              f"{', '.join(DTYPES[1:])} (or null)")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"EngineConfig.scheduling_policy: '{self.scheduling_policy}' is not one of fcfs, priority")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(
                 f"EngineConfig.speculation: '{self.speculation}' is not one of {', '.join(SPECULATION_MODES)}"

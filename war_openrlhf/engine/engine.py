@@ -303,10 +303,12 @@ class WarEngine:
         request_id: str | None = None,
         trajectory_id: str | None = None,
         group_id: str | None = None,
+        priority: int = 0,
     ) -> dict[str, Any]:
         """Generate one completion; returns token ids, their logprobs (as PPO needs
         them), finish reason and timing. ``trajectory_id``/``group_id`` let the
-        index extend the trajectory's tree and pick its group."""
+        index extend the trajectory's tree and pick its group. ``priority``: vLLM's request
+        priority (lower first; only with ``EngineConfig.scheduling_policy`` priority)."""
         from vllm import SamplingParams, TokensPrompt
 
         if sampling_params is None:
@@ -324,7 +326,8 @@ class WarEngine:
         final = None
         try:
             ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sampling_params, request_id=rid):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sampling_params, request_id=rid,
+                                               priority=int(priority)):
                 final = out
         except Exception as exc:
             self._raise_if_killed(exc)

@@ -84,6 +84,8 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
         skip_tokenizer_init=False,
         trust_remote_code=bool(cfg.trust_remote_code),
     )
+    if cfg.scheduling_policy != "fcfs":
+        kwargs["scheduling_policy"] = cfg.scheduling_policy
     if cuda:
         if cfg.dtype == "auto" and cfg.weight_sync_dtype:  # as OpenRLHF: the engine runs the trainer's dtype
             kwargs["dtype"] = cfg.weight_sync_dtype

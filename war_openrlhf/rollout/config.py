@@ -51,6 +51,7 @@ class RolloutConfig:
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
     load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
+    turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (rollout/turn_priority.py)
     progress: bool = True
     warm_up: bool = True
     dump_dir: str = ""
@@ -98,6 +99,11 @@ class RolloutConfig:
                      "recovery_probe_interval_s"):  # seconds
             check_number("RolloutConfig", name, getattr(self, name), gt=0)
         check_number("RolloutConfig", "load_interval_s", self.load_interval_s, ge=0)
+        if self.turn_priority not in ("none", "longest_first"):
+            raise ValueError(f"RolloutConfig.turn_priority: '{self.turn_priority}' is not one of none, longest_first")
+        if self.turn_priority != "none" and self.engine.scheduling_policy != "priority":
+            raise ValueError("RolloutConfig.turn_priority: longest_first orders turns by vLLM request priority, "
+                             "which engines honour only with engine.scheduling_policy: priority (set it)")
         check_number("RolloutConfig", "temperature", self.temperature, ge=0)
         check_number("RolloutConfig", "top_p", self.top_p, gt=0, le=1)
         if self.max_new_tokens_per_turn is not None and self.max_new_tokens_per_turn >= self.max_context_tokens:

@@ -115,12 +115,13 @@ class EngineClient:
             raise EngineDead(f"engine {self.index}: {self.error}") from exc
 
     async def generate_tokens(self, context: Sequence[int], sampling_params: dict[str, Any], trajectory_id: str,
-                              group_id: str, timeout_s: float | None = None) -> dict[str, Any]:
+                              group_id: str, timeout_s: float | None = None, priority: int = 0) -> dict[str, Any]:
         """One turn. ``timeout_s``: an engine that has not answered by then is hung; it is
         treated as dead (marked unhealthy, :class:`EngineDead` raised so the turn is re-dispatched)."""
         # an int32 array crosses Ray as one buffer; a list of a long context is pickled int by int
         ids = np.asarray(context, dtype=np.int32)
-        call = self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id)
+        extra = (int(priority),) if priority else ()  # vLLM's request priority (engines with priority scheduling)
+        call = self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id, *extra)
         if timeout_s is None:
             return await call
         try:

@@ -295,7 +295,7 @@ class RolloutPool:
                 traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
                                          label=labels[p], trajectory_id=tid if not attempt else f"{tid}-r{attempt}",
                                          group_id=f"b{b}-p{p}", t0=t0, limiter=limiter)
-                self.policy.on_trajectory_finished(traj.trajectory_id)
+                self.router.trajectory_finished(traj.trajectory_id, traj.group_id, len(traj.turns))
                 # an engine or environment failure is retried from the start (on whichever engine the
                 # dispatcher picks); an agent file's contract error would fail again: not retried
                 if traj.end_reason not in ("engine_error", "episode_error") or not self.supervisor.any_healthy():

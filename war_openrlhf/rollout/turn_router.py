@@ -23,6 +23,7 @@ from ..dispatch.kv_events import KvEventTranslator
 from .config import RolloutConfig
 from .engine_client import EngineClient, EngineDead
 from .log_shipper import LogShipper
+from .turn_priority import TurnPriorities
 from .turn_result import TurnResult
 
 __all__ = ["TurnRouter"]
@@ -46,6 +47,7 @@ class TurnRouter:
         self._kv_translators: dict[int, KvEventTranslator] = {}  # engine -> its events' block hashes
         self.tokens_generated = 0
         self.kv_event_errors = 0
+        self.priorities = TurnPriorities() if config.turn_priority == "longest_first" else None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -58,7 +60,15 @@ class TurnRouter:
         """A new event loop runs the batch: its condition, and the policy's per-batch state."""
         self._turn_done = asyncio.Condition()
         self.policy.start_batch()
+        if self.priorities is not None:
+            self.priorities.start_batch()
         self.reset_counters()
+
+    def trajectory_finished(self, trajectory_id: str, group_id: str, turns: int) -> None:
+        """A trajectory ended: the policy forgets it, the priorities learn its length."""
+        self.policy.on_trajectory_finished(trajectory_id)
+        if self.priorities is not None:
+            self.priorities.finished(trajectory_id, group_id, turns)
 
     # ------------------------------------------------------------------ TurnService
     def park(self, trajectory_id: str, engine: int) -> None:
@@ -80,6 +90,8 @@ class TurnRouter:
                             sampling_params: dict[str, Any], turn_index: int, tokens_so_far: int) -> TurnResult:
         ctx = np.asarray(context, dtype=np.int32)  # one array for the dispatcher, the log and the wire
         request = TurnRequest(trajectory_id, group_id, ctx, turn_index, tokens_so_far, arrival_s=time.monotonic())
+        priority = (self.priorities.priority(trajectory_id, group_id, turn_index)
+                    if self.priorities is not None else 0)
         attempts = 0
         while True:
             if self.before_dispatch is not None:
@@ -103,7 +115,7 @@ class TurnRouter:
             attempts += 1
             try:
                 answer = await eng.generate_tokens(ctx, sampling_params, trajectory_id, group_id,
-                                                   timeout_s=self.config.turn_timeout_s)
+                                                   timeout_s=self.config.turn_timeout_s, priority=priority)
             except EngineDead:
                 if attempts > self.config.engine_retries:
                     raise
