@@ -40,6 +40,12 @@ def test_priorities_follow_the_siblings_once_groups_have_finished():
     assert tp.predictions > 0
 
 
+def test_seeded_fit_predicts_from_the_first_turn():
+    tp = TurnPriorities()
+    tp.seed([[3, 4, 4, 5], [12, 14, 13, 15], [7, 8, 8, 9]])
+    assert tp.priority("x/0", "x", 0) < 0 and tp.predictions == 1
+
+
 def test_longest_first_needs_priority_scheduling_on_the_engines():
     with pytest.raises(ValueError, match="engine.scheduling_policy: priority"):
         RolloutConfig(turn_priority="longest_first")

@@ -30,6 +30,8 @@ Configurations (``--configs``):
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
 * ``war_sched_only``: ``war`` dispatch, speculation ``off``.
+* ``war_longest_first``: ``war`` with ``turn_priority: longest_first`` (each turn's vLLM priority from its
+  trajectory's predicted remaining turns; every WAR engine of the run then schedules by priority)
 * ``war_finished_only``: ``war`` with in-flight sharing off: replicas draft from finished turns
   only (the ablation of sharing a GRPO group's running turns across engines).
 * ``war_kv_events``: ``war`` whose model of each engine's prefix cache is corrected by vLLM's
@@ -87,8 +89,12 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_verl_kv_aware": ("verl_kv_aware", "auto"),
     "war_kv_events": ("war", "auto"),  # war whose cache model is corrected by vLLM's KV events
     "war_finished_only": ("war", "auto"),  # war without in-flight sharing
+    "war_longest_first": ("war", "auto"),  # war + each turn's vLLM priority from predicted remaining work
 }
 NO_INFLIGHT_CONFIGS = ("war_finished_only",)
+#: configurations that order turns by vLLM request priority; their presence starts every WAR engine
+#: of the run with priority scheduling (equal priorities then serve in arrival order, as fcfs does)
+PRIORITY_CONFIGS = ("war_longest_first",)
 KV_EVENT_CONFIGS = ("war_kv_events",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
@@ -262,6 +268,36 @@ def _percentile(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+#: traces: the longest-first predictor, fitted on the turn counts of the trace's tasks that this run
+#: does not replay (every repeat starts from a copy: no repeat learns from another's, or the reported, tasks)
+_PRIORITY_SEED: list = []
+
+
+#: the half a longest-first predictor is fitted on, for each half a run replays
+_OTHER_HALF = {"validation": "tuning", "tuning": "validation", "report": "tune", "tune": "report"}
+
+
+def seed_priorities(spec: str, split: str, seed: int) -> None:
+    """Fit the longest-first predictor on the other half of the trace's tasks (the tuning half
+    when the run reports the validation half; see :data:`_PRIORITY_SEED`)."""
+    from war_openrlhf.rollout.turn_priority import TurnPriorities
+    from war_openrlhf.traces.chat_traces import load_chat_traces
+    from war_openrlhf.traces.turns import group_trajectories
+
+    if split not in _OTHER_HALF:
+        raise SystemExit("--split all: war_longest_first is fitted on the tasks a run does not report; "
+                         "choose a half (--split validation fits it on the tuning half)")
+    other_rows, _ = load_traces(spec, _OTHER_HALF[split], None, seed, 0.0, 0.0, 0.0)
+    fit_tasks = {json.loads(r["label"])["task"] for r in other_rows}
+    groups = group_trajectories(load_chat_traces(spec.split(":", 1)[1]))
+    counts = [[sum(m.role == "assistant" for m in t.messages) for t in members]
+              for members in groups.values() if members[0].task_id in fit_tasks]
+    tp = TurnPriorities()
+    tp.seed(counts)
+    _PRIORITY_SEED[:] = [tp]
+    print(f"longest-first predictor fitted on the {_OTHER_HALF[split]} half ({len(counts)} tasks)", flush=True)
+
+
 def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls):
     import ray
 
@@ -280,8 +316,16 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         engine = dict(kw["engine"])
         engine["index"] = {**dict(engine.get("index") or {}), "inflight_sharing": False}
         kw["engine"] = engine
+    if name in PRIORITY_CONFIGS:
+        kw["turn_priority"] = "longest_first"
+    if kw.get("turn_priority", "none") != "none" or cfg_kwargs["engine"].get("scheduling_policy") == "priority":
+        kw["engine"] = {**dict(kw["engine"]), "scheduling_policy": "priority"}  # what the engines run
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
+    if name in PRIORITY_CONFIGS and _PRIORITY_SEED:  # fitted on the tasks this run does not replay
+        import copy
+
+        pool.router.priorities = copy.deepcopy(_PRIORITY_SEED[0])
     before = asyncio.run(pool.engine_stats())
     res = pool.run_batch(prompts, labels)
     d = {}
@@ -499,6 +543,8 @@ def main(argv=None):
     elif args.workload.startswith("traces:"):
         rows, agent_file = load_traces(args.workload, args.split, args.max_groups, args.seed, args.tool_latency,
                                        args.tool_jitter, args.per_env_token)
+        if any(c in PRIORITY_CONFIGS for c in args.configs.split(",")):
+            seed_priorities(args.workload, args.split, args.seed)
         trials = {len(json.loads(r["label"])["trials"]) for r in rows}
         n = min(trials)  # a GRPO group = the trials of one task
         model = resolve_model(args.model or "peaked", positions=32768)
@@ -559,6 +605,9 @@ def main(argv=None):
     war_names = [c for c in configs if c in WAR_CONFIGS]
     handles = None
     if war_names or args.same_engines:
+        if any(c in PRIORITY_CONFIGS for c in configs):
+            engine_kw = {**engine_kw, "scheduling_policy": "priority"}
+            cfg_kwargs["engine"] = {**dict(cfg_kwargs["engine"]), "scheduling_policy": "priority"}
         ecfg = RolloutConfig(**{**cfg_kwargs, "engine": {**engine_kw, "kv_capacity_tokens": kv_tokens,
                                                            "kv_events": any(c in KV_EVENT_CONFIGS for c in configs)}}).engine
         handles = create_war_engines(args.engines, ecfg, placement_group=True,

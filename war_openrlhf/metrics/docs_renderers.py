@@ -542,3 +542,44 @@ def remaining_work(d: dict) -> str:
                      "- (one value per round: no ranking)" if rho is None else f"{rho:.3f}", str(r["predictions"])])
     return md_table(["half", "predictor", "MAE (turns)", "Spearman with true remaining", "predictions"],
                     ["l", "l", "r", "r", "r"], rows)
+
+
+# ---- the step's tail on real engines (tools/bench_rollout.py) ------------------------------
+@renderer("rollout_tail")
+def rollout_tail(d: dict) -> str:
+    """Each configuration's tail figures (median over repeats, with each repeat's value)."""
+    rows = []
+    for c, s in d["configs"].items():
+        runs = s.get("tail10_share_runs")
+        rows.append([f"`{c}`", num(s.get("tail10_share"), ".2f"),
+                     ", ".join(f"{v:.2f}" for v in runs) if runs else "-",
+                     num(s.get("trajectory_p99_s"), ".2f")])
+    return md_table(["config", "tail 10% share (median)", "per repeat", "trajectory p99 s"],
+                    ["l", "r", "l", "r"], rows)
+
+
+@renderer("longest_first_target")
+def longest_first_target(d: dict) -> str:
+    """The straggler targets on this file: war (and war_longest_first) against the best other
+    router and OpenRLHF, medians of step time."""
+    cfg = d["configs"]
+    routers = {c: cfg[c]["step_s"] for c in ROUTER_CONFIGS if c in cfg}
+    lines = []
+    for name in ("war", "war_longest_first"):
+        if name not in cfg:
+            continue
+        step = cfg[name]["step_s"]
+        parts = []
+        if routers:
+            best = min(routers, key=routers.get)
+            ratio = routers[best] / step
+            parts.append(f"{ratio:.2f}x the best other router (`{best}`; target >= 1.15x: "
+                         f"{'met' if ratio >= 1.15 else 'missed'})")
+        if "openrlhf" in cfg:
+            ratio = cfg["openrlhf"]["step_s"] / step
+            parts.append(f"{ratio:.2f}x `openrlhf` (target >= 1.6x: {'met' if ratio >= 1.6 else 'missed'})")
+        lines.append(f"`{name}`: " + "; ".join(parts) + ".")
+    if "war" in cfg and "war_longest_first" in cfg:
+        lines.append(f"`war_longest_first` / `war`: {cfg['war']['step_s'] / cfg['war_longest_first']['step_s']:.2f}x "
+                     "(medians of step time).")
+    return "\n".join(lines) + "\n"

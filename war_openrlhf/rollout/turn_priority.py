@@ -45,6 +45,13 @@ class TurnPriorities:
         except ValueError:
             self._sib = None
 
+    def seed(self, groups) -> None:
+        """Fit data from elsewhere (each item: one finished group's turn counts), e.g. the tasks
+        of a recorded trace a benchmark does not replay; refits the predictors."""
+        for g in groups:
+            self._history.append([int(t) for t in g])
+        self.start_batch()
+
     def priority(self, trajectory_id: str, group_id: str, turn_index: int) -> int:
         """The vLLM priority of this trajectory's turn ``turn_index`` (0: no prediction yet)."""
         members = self._alive.setdefault(group_id, {})
