@@ -212,6 +212,9 @@ def test_real_file_loads_140_trajectories_in_35_groups_of_4(real_trajs, real_tok
     roles = collections.Counter(m.role for t in real_trajs for m in t.messages)
     assert roles == {"assistant": 2023, "user": 1162, "tool": 1001, "system": 140}
     assert sum(len(t.turns) for t in real_tokenized) == 2023
+    # a trajectory's model turns are the turns its tokenized replay generates
+    by_id = {t.trajectory_id: len(t.turns) for t in real_tokenized}
+    assert all(t.model_turns == by_id[t.trajectory_id] for t in real_trajs)
 
 
 def test_real_loader_keeps_fields_and_messages_verbatim(real_raw, real_trajs):

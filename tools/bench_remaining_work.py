@@ -37,7 +37,7 @@ def turn_counts(trace: Path) -> dict[str, dict[str, list[int]]]:
 
     groups = group_trajectories(load_chat_traces(trace))
     halves = task_halves(groups)
-    return {half: {g: [sum(m.role == "assistant" for m in t.messages) for t in groups[g]] for g in sorted(ids)}
+    return {half: {g: [t.model_turns for t in groups[g]] for g in sorted(ids)}
             for half, ids in halves.items()}
 
 

@@ -290,7 +290,7 @@ def seed_priorities(spec: str, split: str, seed: int) -> None:
     other_rows, _ = load_traces(spec, _OTHER_HALF[split], None, seed, 0.0, 0.0, 0.0)
     fit_tasks = {json.loads(r["label"])["task"] for r in other_rows}
     groups = group_trajectories(load_chat_traces(spec.split(":", 1)[1]))
-    counts = [[sum(m.role == "assistant" for m in t.messages) for t in members]
+    counts = [[t.model_turns for t in members]
               for members in groups.values() if members[0].task_id in fit_tasks]
     tp = TurnPriorities()
     tp.seed(counts)

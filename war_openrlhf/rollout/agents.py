@@ -44,6 +44,7 @@ its ``AgentExecutor`` (examples/trace_replay/agent.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import sys
@@ -58,7 +59,14 @@ TURN_LIMIT_KEYS = ("max_tokens", "min_tokens", "ignore_eos")
 #: ``SamplingParams`` fields vLLM sets itself (``__post_init__``, ``update_from_tokenizer``), never
 #: an input: not sent to the engine, which builds its own ``SamplingParams(**fields)``.
 _DERIVED_FIELDS = ("output_text_buffer_length",)
-_DEFAULTS: list[Any] = []
+
+
+@functools.lru_cache(maxsize=1)
+def _default_sampling_params():
+    """vLLM's defaults, the reference for which fields a turn's request must carry."""
+    from vllm import SamplingParams
+
+    return SamplingParams()
 
 
 class AgentContractError(ValueError):
@@ -138,9 +146,7 @@ def engine_sampling_kwargs(params: Any, limits: Mapping[str, Any], seed: int | N
     the sampled token's only (what PPO needs). A combination vLLM refuses is the agent's error."""
     from vllm import SamplingParams
 
-    if not _DEFAULTS:
-        _DEFAULTS.append(SamplingParams())
-    default = _DEFAULTS[0]
+    default = _default_sampling_params()
     out = {name: getattr(params, name) for name in SamplingParams.__struct_fields__
            if not name.startswith("_") and name not in _DERIVED_FIELDS
            and (name == "max_tokens" or getattr(params, name) != getattr(default, name))}

@@ -135,11 +135,11 @@ class EngineClient:
         """Read the engine's load (``WarEngine.load``: its waiting queue, KV in use, measured
         step cost) for the dispatcher; a dead engine is marked so, an engine without the call
         (another actor kind) is left at its last report."""
-        if not self.healthy:
+        if not self.healthy or not hasattr(self.handle, "load"):
             return
         try:
             report = await self._call("load")
-        except (EngineDead, AttributeError):
+        except EngineDead:
             return
         if isinstance(report, dict):
             self.load = report

@@ -32,9 +32,7 @@ class TurnPriorities:
 
     def start_batch(self) -> None:
         """A new batch: the last batch's groups become fit data, the predictors are refitted."""
-        for group in list(self._finished):
-            if group not in self._alive or not self._alive[group]:
-                self._history.append(self._finished.pop(group))
+        self._history.extend(self._finished.values())
         self._alive.clear()
         self._finished.clear()
         groups = {str(i): g for i, g in enumerate(self._history) if len(g) >= 2}

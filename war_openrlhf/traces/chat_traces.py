@@ -92,6 +92,11 @@ class ChatTrajectory:
     def trajectory_id(self) -> str:
         return f"task{self.task_id}/trial{self.trial}"
 
+    @property
+    def model_turns(self) -> int:
+        """The model's turns (assistant messages): what a replay of this trajectory generates."""
+        return sum(m.role == "assistant" for m in self.messages)
+
 
 def load_chat_traces(paths: PathLike | Iterable[PathLike]) -> list[ChatTrajectory]:
     """Load and validate the trajectories of one trace file or of several, in order.
