@@ -210,6 +210,39 @@ def test_batch_of_episodes_end_to_end(pool):
         assert float(e.rewards[0]) == 1.0
 
 
+def test_turns_travel_the_turn_channel_and_answer_as_a_ray_call_does(pool):
+    """Every turn of a batch goes on the engines' turn channels (none falls back to Ray), each
+    answer brings its engine's queue for the dispatcher, and a turn answers the same tokens,
+    log-probs and text over the channel as over a Ray call (``turn_transport: ray``); the text
+    is what the pool would rebuild from the tokens."""
+    from war_openrlhf.rollout.action_text import action_text
+
+    before = [e.channel_turns for e in pool.engines]
+    res = pool.run_batch(["Question: what is 2+3?"], ["ok"])
+    assert [e.channel_off_reason for e in pool.engines] == [None, None]
+    assert sum(e.channel_turns - b for e, b in zip(pool.engines, before)) == res.turns == 9
+    assert all(e.channel_fallbacks == 0 and e.load_at > 0 and "waiting" in e.load for e in pool.engines)
+    over_ray = _sibling(pool, turn_transport="ray")
+    ctx = pool.tokenizer("Seeded turn: the flight is", add_special_tokens=False)["input_ids"]
+    sp = {"max_tokens": 12, "temperature": 0.0, "logprobs": 0, "ignore_eos": True}
+
+    async def both():
+        try:
+            return (await pool.engines[0].generate_tokens(ctx, sp, "same", "g"),
+                    await over_ray.engines[0].generate_tokens(ctx, sp, "same", "g"))
+        finally:
+            pool.engines[0].close_channel()
+
+    direct, ray_call = asyncio.run(both())
+    assert over_ray.engines[0].channel_turns == 0 and over_ray.engines[0].channel_off_reason is None
+    assert direct["token_ids"] == ray_call["token_ids"] and len(direct["token_ids"]) == 12
+    assert np.allclose(direct["logprobs"], ray_call["logprobs"], atol=2e-3)
+    from vllm import SamplingParams
+
+    rebuilt = action_text(pool.tokenizer, ctx, direct["token_ids"], direct["finish_reason"], SamplingParams(**sp))
+    assert direct["text"] == ray_call["text"] == rebuilt
+
+
 def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
     """Real engines measure their own steps (engine/step_meter.py) and the pool polls them every
     ``load_interval_s``: after a batch each engine has a step regression from its busy steps,

@@ -197,6 +197,7 @@ class WarEngine:
         # both entry points: what a rollout path adds per turn is its wall time minus this
         self._requests_served = 0
         self._request_seconds = 0.0
+        self._turn_channel = None  # TurnChannelServer, started by the pool's first turn_channel() call
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -283,7 +284,19 @@ class WarEngine:
     async def _rpc(self, method: str, *args: Any) -> Any:
         return (await self.llm.collective_rpc(method, args=args))[0]
 
+    async def turn_channel(self) -> dict[str, Any]:
+        """Where the pool sends turns without a Ray call per turn (:mod:`.turn_channel`): this
+        actor's node address, a free port, and the secret a connection must present first."""
+        if self._turn_channel is None:
+            from .turn_channel import TurnChannelServer
+
+            self._turn_channel = TurnChannelServer(self.generate_tokens)
+        return await self._turn_channel.start()
+
     async def shutdown(self) -> None:
+        if self._turn_channel is not None:
+            self._turn_channel.close()
+            self._turn_channel = None
         if self._flusher is not None:
             self._flusher.cancel()
         if self._kv_events is not None:
@@ -344,6 +357,7 @@ class WarEngine:
             "token_ids": list(completion.token_ids),
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
+            "text": completion.text,  # vLLM's detokenized turn: the agent's action_text
             "num_prompt_tokens": len(final.prompt_token_ids or ids),
             "num_cached_tokens": int(final.num_cached_tokens or 0),
             "seconds": time.perf_counter() - t0,
@@ -351,6 +365,8 @@ class WarEngine:
             # the weights that produced this turn: one version, or two when a weight sync
             # landed mid-turn (OpenRLHF's partial rollouts pause and resume generation around it)
             "weight_versions": [version_at_start, self.weight_version],
+            # the queue and KV as of the engine's last step: the dispatcher's load feed between polls
+            "load_now": dict(self._stats_logger.current) if self._stats_logger is not None else {},
             **timing,
         }
 

@@ -2,7 +2,9 @@
 
 OpenRLHF's executor hands the agent ``request_output.outputs[0].text`` (openrlhf/utils/agent.py:105),
 detokenized in the engine by vLLM 0.29's incremental detokenizer (vllm/v1/engine/detokenizer.py).
-WAR's engines return token ids only, so the pool rebuilds that text here, the way vLLM builds it:
+WAR's engines send that text with each turn (``generate_tokens``'s ``text``) and the episode uses
+it. For an engine that sends token ids only, the pool rebuilds the text here, the way vLLM builds it
+(and tests check the two agree):
 
 * streamed after the turn's context (``DecodeStream(ids=context)``, detokenizer.py:184), so a
   token's text depends on what precedes it (a leading space, a UTF-8 sequence split across turns);

@@ -25,6 +25,7 @@ from ..engine.config import EngineConfig
 
 ON_TOOL_ERROR = ("observe", "end")
 ENGINE_RECOVERY = ("off", "reinstate", "restart")
+TURN_TRANSPORTS = ("direct", "ray")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class RolloutConfig:
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
     load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
+    turn_transport: str = "direct"  # direct: turns on a socket to each engine actor; ray: a Ray call per turn
     turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (rollout/turn_priority.py)
     progress: bool = True
     warm_up: bool = True
@@ -99,6 +101,10 @@ class RolloutConfig:
                      "recovery_probe_interval_s"):  # seconds
             check_number("RolloutConfig", name, getattr(self, name), gt=0)
         check_number("RolloutConfig", "load_interval_s", self.load_interval_s, ge=0)
+        if self.turn_transport not in TURN_TRANSPORTS:
+            raise ValueError(f"RolloutConfig.turn_transport: '{self.turn_transport}' is not one of "
+                             f"{', '.join(TURN_TRANSPORTS)} (direct: each turn on a TCP connection to its engine "
+                             "actor; ray: a Ray actor call per turn)")
         if self.turn_priority not in ("none", "longest_first"):
             raise ValueError(f"RolloutConfig.turn_priority: '{self.turn_priority}' is not one of none, longest_first")
         if self.turn_priority != "none" and self.engine.scheduling_policy != "priority":

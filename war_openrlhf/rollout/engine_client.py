@@ -4,12 +4,18 @@ The pool is every engine's only client, so it keeps what the dispatcher needs (r
 flight, their token budget, trajectories parked on a tool, KV capacity, health) here rather
 than asking the engine each turn. An engine is a :class:`EngineHandle`: a
 :class:`~war_openrlhf.engine.WarEngine` in this process or its Ray actor handle.
+
+Turns to an engine actor travel on its turn channel (:mod:`war_openrlhf.engine.turn_channel`,
+``RolloutConfig.turn_transport: direct``), every other call on Ray. A channel that closes under
+a turn is a question for Ray: an actor that is gone is a dead engine (the turn is re-dispatched),
+one that answers gets the turn over Ray and a new connection at the next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-
+import logging
+import time
 from dataclasses import replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -17,6 +23,9 @@ import numpy as np
 
 from ..dispatch import EngineState
 from ..engine.stats import EngineStats
+from ..engine.turn_channel import ChannelClosed, RemoteError, TurnChannelClient
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ENGINE_METHODS", "EngineHandle", "EngineClient", "EngineDead", "actor_died", "kill_actor"]
 
@@ -70,6 +79,8 @@ def actor_died(exc: BaseException) -> bool:
     engine inside a live actor did (a worker killed by a signal)."""
     if any(cls.__name__ in _VLLM_DIED for cls in type(exc).__mro__):
         return True
+    if isinstance(exc, RemoteError):  # raised in the engine, carried by the turn channel
+        return any(name in _VLLM_DIED for name in exc.class_names)
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
     except ImportError:  # pragma: no cover
@@ -80,10 +91,20 @@ def actor_died(exc: BaseException) -> bool:
 class EngineClient:
     """One engine as the pool sees it."""
 
-    def __init__(self, index: int, handle: Any) -> None:
+    #: seconds a channel connection, and the liveness question after a lost one, may take
+    CHANNEL_TIMEOUT_S = 10.0
+
+    def __init__(self, index: int, handle: Any, *, turn_transport: str = "direct") -> None:
         self.index = index
         self.handle = handle
         self.remote = hasattr(handle, "generate_tokens") and hasattr(handle.generate_tokens, "remote")
+        self.turn_transport = turn_transport
+        self._channel: TurnChannelClient | None = None
+        self._channel_address: dict[str, Any] | None = None
+        self._channel_lock: tuple[Any, asyncio.Lock] | None = None  # (event loop, its lock)
+        self.channel_off_reason: str | None = None  # why turns go over Ray although direct was asked
+        self.channel_fallbacks = 0  # turns sent over Ray after their channel closed under them
+        self.channel_turns = 0  # turns answered on the channel
         self.healthy = True
         self.error: str | None = None
         self.in_flight = 0
@@ -99,6 +120,8 @@ class EngineClient:
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
         self.load: dict[str, Any] = {}  # the engine's last load report (refresh_load): queue, KV, step cost
+        self.load_at = 0.0  # monotonic time of the last queue report (a poll or a turn's answer)
+        self.step_cost_at = 0.0  # ... and of the last step-cost report (polls only)
         self.on_dead: Any = None  # called once with this client when it is marked dead (the pool's recovery)
 
     # ------------------------------------------------------------------ calls
@@ -120,29 +143,129 @@ class EngineClient:
         treated as dead (marked unhealthy, :class:`EngineDead` raised so the turn is re-dispatched)."""
         # an int32 array crosses Ray as one buffer; a list of a long context is pickled int by int
         ids = np.asarray(context, dtype=np.int32)
-        extra = (int(priority),) if priority else ()  # vLLM's request priority (engines with priority scheduling)
-        call = self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id, *extra)
+
+        async def turn() -> dict[str, Any]:
+            channel = await self._turn_channel()  # inside the deadline: a hung engine cannot connect either
+            if channel is not None:
+                try:
+                    fields = channel.encode(ids, sampling_params, trajectory_id, group_id, priority)
+                except (TypeError, ValueError):  # kwargs msgpack cannot carry (an agent's object): over Ray
+                    fields = None
+                if fields is not None:
+                    return await self._channel_turn(channel, fields, ids, sampling_params, trajectory_id, group_id,
+                                                    priority)
+            return await self._ray_turn(ids, sampling_params, trajectory_id, group_id, priority)
+
         if timeout_s is None:
-            return await call
+            return self._took_load(await turn())
         try:
-            return await asyncio.wait_for(call, timeout_s)
+            return self._took_load(await asyncio.wait_for(turn(), timeout_s))
         except asyncio.TimeoutError:
             exc = TimeoutError(f"no answer to a turn within {timeout_s:g} s: treated as hung")
             self.mark_dead(exc)
             raise EngineDead(f"engine {self.index}: {self.error}") from None
 
-    async def refresh_load(self) -> None:
+    def _took_load(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """A turn's answer carries the engine's queue and KV (``load_now``): fresher than any poll."""
+        now = answer.pop("load_now", None) if isinstance(answer, dict) else None
+        if now:
+            self.load = {**self.load, **now}
+            self.load_at = time.monotonic()
+        return answer
+
+    def _ray_turn(self, ids: np.ndarray, sampling_params: dict[str, Any], trajectory_id: str, group_id: str,
+                  priority: int):
+        extra = (int(priority),) if priority else ()  # vLLM's request priority (engines with priority scheduling)
+        return self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id, *extra)
+
+    async def _channel_turn(self, channel: TurnChannelClient, fields: list, ids: np.ndarray,
+                            sampling_params: dict[str, Any], trajectory_id: str, group_id: str,
+                            priority: int) -> dict[str, Any]:
+        try:
+            answer = await channel.request(fields)
+            self.channel_turns += 1
+            return answer
+        except RemoteError as exc:
+            if actor_died(exc):  # its vLLM died inside a live actor
+                self.mark_dead(exc)
+                raise EngineDead(f"engine {self.index}: {self.error}") from exc
+            raise
+        except ChannelClosed as exc:
+            await self._check_alive(exc)  # EngineDead when the actor is gone
+            self.channel_fallbacks += 1
+            return await self._ray_turn(ids, sampling_params, trajectory_id, group_id, priority)
+
+    async def _check_alive(self, cause: BaseException) -> None:
+        """After a lost channel: the actor answers Ray (returns) or is gone / silent (marked dead,
+        :class:`EngineDead`)."""
+        if not self.healthy:
+            raise EngineDead(f"engine {self.index}: {self.error}") from cause
+        try:
+            await asyncio.wait_for(self._call("load" if hasattr(self.handle, "load") else "stats"),
+                                   self.CHANNEL_TIMEOUT_S)
+        except EngineDead:
+            raise
+        except asyncio.TimeoutError:
+            self.mark_dead(TimeoutError(f"{cause}; and no answer over Ray within {self.CHANNEL_TIMEOUT_S:g} s"))
+            raise EngineDead(f"engine {self.index}: {self.error}") from cause
+
+    async def _turn_channel(self) -> TurnChannelClient | None:
+        """This loop's connection to the engine's turn channel, opened at its first turn; None when
+        turns go over Ray (``turn_transport: ray``, an in-process engine, an actor without a
+        channel, or a channel that could not be opened: the reason is in ``channel_off_reason``)."""
+        if self.turn_transport != "direct" or not self.remote or self.channel_off_reason is not None:
+            return None
+        loop = asyncio.get_running_loop()
+        channel = self._channel
+        if channel is not None and channel.loop is loop and not channel.closed:
+            return channel
+        if self._channel_lock is None or self._channel_lock[0] is not loop:
+            self._channel_lock = (loop, asyncio.Lock())
+        async with self._channel_lock[1]:
+            channel = self._channel
+            if channel is not None and channel.loop is loop and not channel.closed:
+                return channel
+            self.close_channel()
+            if not hasattr(self.handle, "turn_channel"):
+                self.channel_off_reason = f"{type(self.handle).__name__} serves no turn channel"
+                return None
+            try:
+                if self._channel_address is None:  # the caller's turn deadline bounds a silent engine
+                    self._channel_address = await self._call("turn_channel")
+                self._channel = await TurnChannelClient.connect(self._channel_address, self.CHANNEL_TIMEOUT_S)
+            except EngineDead:
+                raise
+            except Exception as exc:  # noqa: BLE001 - unreachable port, firewall: Ray carries the turns
+                self.channel_off_reason = f"{type(exc).__name__}: {exc}"[:300]
+                log.warning("engine %d: no turn channel (%s); its turns go over Ray calls", self.index,
+                            self.channel_off_reason)
+                return None
+            return self._channel
+
+    def close_channel(self) -> None:
+        """Close this engine's turn channel (the pool: at the end of a batch, whose event loop ends)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    async def refresh_load(self, max_age_s: float | None = None) -> None:
         """Read the engine's load (``WarEngine.load``: its waiting queue, KV in use, measured
         step cost) for the dispatcher; a dead engine is marked so, an engine without the call
-        (another actor kind) is left at its last report."""
+        (another actor kind) is left at its last report. ``max_age_s``: skip the call when a
+        turn's answer brought the queue within that many seconds (and the step cost within ten
+        times that)."""
         if not self.healthy or not hasattr(self.handle, "load"):
             return
+        now = time.monotonic()
+        if max_age_s is not None and now - self.load_at < max_age_s and now - self.step_cost_at < 10 * max_age_s:
+            return  # turns keep the queue fresh; the step cost is read every tenth poll
         try:
             report = await self._call("load")
         except EngineDead:
             return
         if isinstance(report, dict):
             self.load = report
+            self.load_at = self.step_cost_at = time.monotonic()
 
     async def kv_events(self) -> list:
         return await self._call("kv_events")
@@ -187,6 +310,7 @@ class EngineClient:
         self.last_sync_error = f"{type(cause).__name__}: {cause}"[:500]
 
     def mark_dead(self, exc: BaseException) -> None:
+        self.close_channel()
         if self.healthy:
             self.healthy = False
             cause = getattr(exc, "cause", None) or exc  # Ray's task error carries the actor's own
@@ -205,6 +329,9 @@ class EngineClient:
         self.healthy = True
         self.error = None
         self.last_sync_error = None
+        self.close_channel()  # a restarted actor serves its own channel
+        self._channel_address = None
+        self.channel_off_reason = None
 
     def probe_stats(self, timeout_s: float) -> tuple[dict[str, Any] | None, bool]:
         """A blocking ``stats`` call for a recovery thread (off the pool's event loop): returns

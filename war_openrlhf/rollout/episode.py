@@ -181,8 +181,8 @@ async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutCon
         if rec is None:
             return
         generated += rec.end - rec.start
-        action_text = vllm_text(tokenizer, traj.token_ids[:rec.start], traj.token_ids[rec.start:rec.end],
-                                out.finish_reason, sampling)
+        action_text = out.text if out.text is not None else vllm_text(  # the engine's own, else rebuilt
+            tokenizer, traj.token_ids[:rec.start], traj.token_ids[rec.start:rec.end], out.finish_reason, sampling)
         states = {"observation_text": observation_text, "action_text": action_text, "label": traj.label,
                   "sampling_params": sampling}
         step = await _tool_step(service, agent, instance, states, cfg, traj, rec, limiter, where)

@@ -111,7 +111,7 @@ class RolloutPool:
                 raise ValueError(f"engines[{i}]: a {type(handle).__name__} is not an engine (no "
                                  f"{', '.join(missing)}); pass WarEngine objects or their Ray actor handles")
         self.config = config
-        self.engines = [EngineClient(i, h) for i, h in enumerate(engines)]
+        self.engines = [EngineClient(i, h, turn_transport=config.turn_transport) for i, h in enumerate(engines)]
         if policy is None:
             policy = _build_policy(config, len(self.engines))
         self.policy = policy
@@ -228,7 +228,7 @@ class RolloutPool:
             while True:
                 await asyncio.sleep(self.config.load_interval_s)
                 try:
-                    await asyncio.gather(*(e.refresh_load() for e in self.engines))
+                    await asyncio.gather(*(e.refresh_load(self.config.load_interval_s) for e in self.engines))
                 except Exception:  # noqa: BLE001 - reported; the dispatcher keeps the last reports
                     self._stats_errors += 1
                     log.exception("engine load poll failed (the dispatcher keeps the last reports)")
@@ -315,6 +315,8 @@ class RolloutPool:
             background.cancel()
             if bar is not None:
                 bar.close()
+            for e in self.engines:  # bound to this batch's event loop
+                e.close_channel()
         wall = time.perf_counter() - t0
         await self.shipper.sync(flush=True)
         engine_stats = await self.engine_stats()

@@ -31,10 +31,11 @@ class TurnResult:
     queue_s: float | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
+    text: str | None = None  # vLLM's detokenized turn (``CompletionOutput.text``), when the engine sends it
     extra: dict[str, Any] = field(default_factory=dict)  # anything else the engine reported
 
     _FIELDS = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens",
-               "weight_versions", "seconds", "request_id", "queue_s", "prefill_s", "decode_s")
+               "weight_versions", "seconds", "request_id", "queue_s", "prefill_s", "decode_s", "text")
 
     @classmethod
     def from_engine(cls, answer: Mapping[str, Any], *, engine: int, prompt_tokens: int, attempts: int = 1,
@@ -58,5 +59,6 @@ class TurnResult:
             queue_s=answer.get("queue_s"),
             prefill_s=answer.get("prefill_s"),
             decode_s=answer.get("decode_s"),
+            text=answer.get("text") if isinstance(answer.get("text"), str) else None,
             extra={k: v for k, v in answer.items() if k not in cls._FIELDS and k != "engine"},
         )

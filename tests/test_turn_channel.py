@@ -1,0 +1,153 @@
+"""The turn channel (engine/turn_channel.py) on real sockets, with a handler standing in for the
+engine's ``generate_tokens`` (the transport is what is tested; tests/test_rollout_pool.py runs
+it against real engines): answers find their requests out of order, the context arrives
+exactly, errors keep their class names, a wrong secret is refused, a lost connection fails
+every waiting request at once and never hangs it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from war_openrlhf.engine.turn_channel import (ChannelClosed, RemoteError, TurnChannelClient, TurnChannelServer)
+from war_openrlhf.rollout.engine_client import actor_died
+
+
+class EngineDeadError(RuntimeError):  # vLLM's name for a dead engine core
+    pass
+
+
+async def _handler(context, params, request_id, trajectory_id, group_id, priority):
+    if params.get("fail") == "value":
+        raise ValueError("bad sampling params: top_p 7")
+    if params.get("fail") == "dead":
+        raise EngineDeadError("engine core died")
+    await asyncio.sleep(params.get("delay", 0.0))
+    return {"token_ids": [int(x) for x in context[::-1]], "sum": int(context.sum()), "trajectory_id": trajectory_id,
+            "group_id": group_id, "priority": priority, "params": params}
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_answers_find_their_requests_out_of_order_and_contexts_arrive_exactly():
+    async def main():
+        server = TurnChannelServer(_handler)
+        address = await server.start("127.0.0.1")
+        client = await TurnChannelClient.connect(address)
+        rng = np.random.default_rng(0)
+        contexts = [rng.integers(0, 2**31 - 1, size=n).astype(np.int32) for n in (1, 7, 3000, 40)]
+        delays = [0.3, 0.0, 0.1, 0.2]  # finish in another order than sent
+        answers = await asyncio.gather(*(
+            client.request(client.encode(c, {"delay": d, "max_tokens": 4, "stop": ["\n"]}, f"t{i}", "g", i))
+            for i, (c, d) in enumerate(zip(contexts, delays))))
+        for i, (c, a) in enumerate(zip(contexts, answers)):
+            assert a["token_ids"] == [int(x) for x in c[::-1]] and a["sum"] == int(c.astype(np.int64).sum())
+            assert a["trajectory_id"] == f"t{i}" and a["priority"] == i and a["params"]["stop"] == ["\n"]
+        client.close()
+        server.close()
+
+    _run(main())
+
+
+def test_an_engine_error_keeps_its_class_names_and_a_dead_engine_is_recognised():
+    async def main():
+        server = TurnChannelServer(_handler)
+        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+        ctx = np.arange(3, dtype=np.int32)
+        with pytest.raises(RemoteError, match="ValueError: bad sampling params") as bad:
+            await client.request(client.encode(ctx, {"fail": "value"}, "t", "g", 0))
+        assert not actor_died(bad.value)
+        with pytest.raises(RemoteError) as dead:
+            await client.request(client.encode(ctx, {"fail": "dead"}, "t", "g", 0))
+        assert dead.value.class_names[:2] == ["EngineDeadError", "RuntimeError"] and actor_died(dead.value)
+        # the connection survives request errors
+        assert (await client.request(client.encode(ctx, {}, "t", "g", 0)))["token_ids"] == [2, 1, 0]
+        client.close()
+        server.close()
+
+    _run(main())
+
+
+def test_kwargs_msgpack_cannot_carry_are_refused_before_sending():
+    async def main():
+        server = TurnChannelServer(_handler)
+        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+        with pytest.raises(TypeError):
+            client.encode(np.arange(2), {"logits_processors": [object()]}, "t", "g", 0)
+        assert (await client.request(client.encode(np.arange(2), {}, "t", "g", 0)))["token_ids"] == [1, 0]
+        client.close()
+        server.close()
+
+    _run(main())
+
+
+def test_a_connection_without_the_secret_is_refused():
+    async def main():
+        server = TurnChannelServer(_handler)
+        address = dict(await server.start("127.0.0.1"))
+        address["token"] = bytes(len(address["token"]))
+        client = await TurnChannelClient.connect(address)
+        with pytest.raises(ChannelClosed):
+            await client.request(client.encode(np.arange(3), {}, "t", "g", 0))
+        assert server.refused_connections == 1
+        server.close()
+
+    _run(main())
+
+
+def test_a_lost_connection_fails_every_waiting_request_and_later_ones():
+    async def main():
+        server = TurnChannelServer(_handler)
+        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+        waiting = [asyncio.ensure_future(client.request(client.encode(np.arange(5), {"delay": 5.0}, "t", "g", 0)))
+                   for _ in range(3)]
+        await asyncio.sleep(0.2)
+        server.close()  # the engine side goes away mid-turn: its handlers are cancelled
+        for task in list(server._tasks):
+            task.cancel()
+        # the server's handler closes the connection when its reader ends; force that end
+        client._reader.feed_eof()
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert all(isinstance(r, ChannelClosed) for r in results), results
+        assert client.closed
+        with pytest.raises(ChannelClosed):
+            await client.request(client.encode(np.arange(5), {}, "t", "g", 0))
+
+    _run(main())
+
+
+def test_closing_from_a_finished_event_loop_drops_the_socket():
+    """A batch's loop ends with the channel open (the pool closes it, but a crash may not):
+    closing it later, from another loop, neither raises nor hangs."""
+    holder = {}
+
+    async def main():
+        server = TurnChannelServer(_handler)
+        loop = asyncio.get_running_loop()
+        # the client lives on a loop of its own thread, which then ends
+        import threading
+
+        other = asyncio.new_event_loop()
+        t = threading.Thread(target=other.run_forever, daemon=True)
+        t.start()
+        address = await server.start("127.0.0.1")
+
+        async def use():
+            holder["client"] = await TurnChannelClient.connect(address)
+            return await holder["client"].request(holder["client"].encode(np.arange(2), {}, "t", "g", 0))
+
+        answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(use(), other))
+        assert answer["token_ids"] == [1, 0]
+        other.call_soon_threadsafe(other.stop)
+        t.join(5)
+        other.close()
+        holder["client"].close()  # its loop is closed: the socket is dropped
+        assert holder["client"].closed
+        server.close()
+        assert loop.is_running()
+
+    _run(main())
