@@ -9,7 +9,9 @@ the path a turn takes between two engine requests:
   openrlhf  OpenRLHF's ``SamplesGenerator`` -> ``generate_responses`` on the engine actor ->
             ``MultiTurnAgentExecutor`` inside it (agent, tokenizer and engine in one process)
   war       WAR's ``RolloutPool`` in this process: agent on its episode's thread, a dispatch
-            decision, a Ray call per turn, log shipping and stats in the background
+            decision, the turn on the engine's turn channel (``turn_transport: direct``), log
+            shipping and stats in the background
+  war_ray   the same pool with a Ray actor call per turn (``turn_transport: ray``)
 
 Two measurements, each path in rotating order, ``--repeats`` times:
 
@@ -44,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
 AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
-PATHS = ("openrlhf", "war")
+PATHS = ("openrlhf", "war", "war_ray")
 #: where the pool's driver CPU goes, by the file a function lives in (first match wins)
 GROUPS = (("ray client", ("/ray/",)), ("asyncio & threads", ("asyncio/", "threading.py", "concurrent/futures")),
           ("agent & tools", ("trace_replay", "openrlhf/utils/agent")),
@@ -82,12 +84,13 @@ def run_openrlhf(handle, rows, tokenizer, max_len):
     return st["wall_s"]
 
 
-def pool_config(model, max_len):
+def pool_config(model, max_len, turn_transport="direct"):
     from war_openrlhf.rollout import RolloutConfig
 
     engine = dict(model=str(model), dtype="float32", max_model_len=max_len, enforce_eager=True, speculation="none")
     return RolloutConfig(num_engines=1, agent_func_path=str(AGENT), n_samples_per_prompt=1, max_turns=1024,
-                         max_context_tokens=max_len, temperature=1.0, progress=False, warm_up=False, engine=engine)
+                         max_context_tokens=max_len, temperature=1.0, progress=False, warm_up=False, engine=engine,
+                         turn_transport=turn_transport)
 
 
 def make_pool(cfg, handle, tokenizer):
@@ -103,14 +106,14 @@ def run_war(pool, rows):
     return time.perf_counter() - t0
 
 
-def measure(path, handle, pool, rows, tokenizer, max_len, sequential):
+def measure(path, handle, pools, rows, tokenizer, max_len, sequential):
     """(wall s, engine request s, requests) of one run: all episodes at once, or one at a time
     (each its own batch: the batch's fixed costs are spread over the episode's turns)."""
     n0, s0 = engine_seconds(handle)
     batches = [[r] for r in rows] if sequential else [rows]
     wall = 0.0
     for b in batches:
-        wall += run_openrlhf(handle, b, tokenizer, max_len) if path == "openrlhf" else run_war(pool, b)
+        wall += run_openrlhf(handle, b, tokenizer, max_len) if path == "openrlhf" else run_war(pools[path], b)
     n1, s1 = engine_seconds(handle)
     return wall, s1 - s0, n1 - n0
 
@@ -172,21 +175,22 @@ def main(argv=None) -> int:
     try:
         cfg = pool_config(model, max_len)
         handle = create_war_engines(1, cfg.engine, agent_func_path=str(AGENT))[0]
-        pool = make_pool(cfg, handle, tokenizer)
+        pools = {"war": make_pool(cfg, handle, tokenizer),
+                 "war_ray": make_pool(pool_config(model, max_len, "ray"), handle, tokenizer)}
         for path in PATHS:  # first-use costs (imports, the executor's agent module) stay out of the runs
-            measure(path, handle, pool, work["throughput"][:2], tokenizer, max_len, sequential=False)
+            measure(path, handle, pools, work["throughput"][:2], tokenizer, max_len, sequential=False)
         runs = {(p, m): [] for p in PATHS for m in MODES}
         for r in range(args.repeats):
             for mode in MODES:
-                for path in PATHS[r % 2:] + PATHS[:r % 2]:
-                    wall, eng_s, requests = measure(path, handle, pool, work[mode], tokenizer, max_len,
+                for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:
+                    wall, eng_s, requests = measure(path, handle, pools, work[mode], tokenizer, max_len,
                                                     mode == "latency")
                     if requests != turns[mode]:
                         raise SystemExit(f"{path}: the engine served {requests} requests for {turns[mode]} turns")
                     runs[(path, mode)].append({"wall_s": wall, "engine_s": eng_s})
                     print(f"  {mode} {path} run {r}: {wall:.2f} s, engine {eng_s:.2f} s", file=sys.stderr, flush=True)
-        profiles = {mode: profile_pool(pool, work[mode], mode == "latency") for mode in MODES}
-        pool.shutdown()
+        profiles = {mode: profile_pool(pools["war"], work[mode], mode == "latency") for mode in MODES}
+        pools["war"].shutdown()
     finally:
         ray.shutdown()
 

@@ -465,8 +465,17 @@ def turn_path_reading(d: dict) -> str:
             f"{lat['war']['path_per_turn_us_median']:.0f} us, OpenRLHF's executor "
             f"{lat['openrlhf']['path_per_turn_us_median']:.0f} us: the pool's path is {ratio:.2f}x the executor's. "
             f"All episodes at once: {thr['war']['turns_per_s_median']:.1f} against "
-            f"{thr['openrlhf']['turns_per_s_median']:.1f} turns/s. Target (the pool's path <= 0.25x the "
-            f"executor's): {'met' if ratio <= 0.25 else 'missed'}. ({d['regime']}; {load_note(d)})\n")
+            f"{thr['openrlhf']['turns_per_s_median']:.1f} turns/s.{_ray_turns(lat, thr)} Target (the pool's path "
+            f"<= 0.25x the executor's): {'met' if ratio <= 0.25 else 'missed'}. ({d['regime']}; {load_note(d)})\n")
+
+
+def _ray_turns(lat: dict, thr: dict) -> str:
+    """The same pool with a Ray call per turn (``turn_transport: ray``), where the run has it."""
+    if "war_ray" not in lat:
+        return ""
+    return (f" The same pool with a Ray call per turn instead of the turn channel: "
+            f"{lat['war_ray']['path_per_turn_us_median']:.0f} us per turn one at a time, "
+            f"{thr['war_ray']['turns_per_s_median']:.1f} turns/s all at once.")
 
 
 # ---- real-engine rollouts (tools/bench_rollout.py) ----------------------------------------
