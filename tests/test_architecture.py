@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {"cpu", "device", "engine", "rollout", "training", "versions"},
     "preflight": {"cpu", "engine", "fixtures", "integrations", "speculation"},
     "cli": {"config_checks", "cpu", "device", "dispatch", "engine", "fixtures", "integrations", "metrics",
-            "model_source", "preflight", "rollout", "speculation", "training"},
+            "model_source", "preflight", "rollout", "simulation", "speculation", "traces", "training"},
 }
 
 
