@@ -154,6 +154,10 @@ def test_prediction_per_configuration_with_drafting_from_siblings(tmp_path):
     assert war["step_s"] == min(war["step_s_drafting_on"], war["step_s_drafting_off"])
     assert war["step_s_drafting_off"] == rows["war_sched_only"]["step_s"]
     assert war["switch"] == "on" and war["step_s"] < rows["war_sched_only"]["step_s"]
+    assert r["speculation"]["war"]["replay_groups"] == 4 and r["speculation"]["war"]["replay_trajectories"] == 16
+    sampled = predict(ts.trajectories, PredictSettings(engines=2, tool_latency_s=0.2, replay_groups=2), ["war"])
+    assert sampled["speculation"]["war"]["replay_groups"] == 2  # a seeded sample of whole groups
+    assert sampled["speculation"]["war"]["replay_trajectories"] == 8
     with pytest.raises(ValueError, match="configs: unknown nope"):
         predict(ts.trajectories, settings, ["nope"])
 

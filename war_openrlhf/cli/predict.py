@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds a tool call takes (default: the traces' recorded latencies, else 1 s)")
     ap.add_argument("--steps", type=int, default=1, help="synchronous steps the trajectories are split into (default 1)")
     ap.add_argument("--draft-tokens", type=int, default=16, help="most tokens drafted per step (default 16)")
+    ap.add_argument("--replay-groups", type=int, default=64,
+                    help="groups the speculation replay samples (default 64; 0: every group)")
     ap.add_argument("--tokenizer", default=None,
                     help="a Hugging Face tokenizer directory for chat traces (default: the bundled Qwen2.5 one)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..traces.trace_files import load_trace_files, trace_summary
 
     for flag, value, least in (("engines", args.engines, 1), ("steps", args.steps, 1),
-                               ("draft-tokens", args.draft_tokens, 1), ("kv-tokens", args.kv_tokens, 16)):
+                               ("replay-groups", args.replay_groups, 0), ("draft-tokens", args.draft_tokens, 1),
+                               ("kv-tokens", args.kv_tokens, 16)):
         if value is not None and value < least:
             raise SystemExit(f"war-predict: --{flag}: must be >= {least}, got {value}")
     if args.tool_latency is not None and not args.tool_latency >= 0:
@@ -129,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"war-predict: --cost-model {args.cost_model}: no such file")
     try:
         settings = PredictSettings(engines=args.engines, kv_tokens=args.kv_tokens, cost_model=cost,
-                                   tool_latency_s=args.tool_latency, steps=args.steps, draft_tokens=args.draft_tokens)
+                                   tool_latency_s=args.tool_latency, steps=args.steps, draft_tokens=args.draft_tokens,
+                                   replay_groups=args.replay_groups or None)
         from ..simulation.cost_model import get_preset
 
         get_preset(cost)
@@ -149,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"war-predict: {regime}")
     print(_table(result))
     for mode, s in result["speculation"].items():
-        print(f"drafting ({mode}), replayed on these trajectories: {s['tokens_per_step']:.2f} tokens per step, "
-              f"acceptance {s['acceptance']:.2f} (greedy verification: an upper bound for sampled turns)")
+        print(f"drafting ({mode}), replayed on {s['replay_trajectories']} of these trajectories "
+              f"({s['replay_groups']} groups): {s['tokens_per_step']:.2f} tokens per step, acceptance "
+              f"{s['acceptance']:.2f} (greedy verification: an upper bound for sampled turns)")
     print(f"validation: {validation['note']}")
     if args.plot is not None:
         _plot(result, args.plot, regime)

@@ -434,6 +434,21 @@ def engine_tax_reading(d: dict) -> str:
             f"median; this machine resolves the tax no finer than the interval.{auto_text} ({load_note(d)})\n")
 
 
+# ---- war-predict's own speed (tools/bench_predict.py) -------------------------------------
+_PREDICT_PARTS = {"wall_s": "the whole command", "read_s": "reading and tokenizing the files",
+                  "prepare_s": "preparing the trajectories (block hashes)", "replay_s": "speculation replay",
+                  "simulate_s": "simulation (every configuration)"}
+
+
+@renderer("predict_speed")
+def predict_speed(d: dict) -> str:
+    rows = [[_PREDICT_PARTS.get(r["part"], r["part"]), spread_text(r["seconds"], ".1f")] for r in d["rows"]]
+    table = md_table(["part", "seconds, median (min-max)"], ["l", "r"], rows)
+    c = d["config"]
+    return (table + f"\n\nTarget (<= 60 s for {c['trajectories']} trajectories x {c['engines']} engines): "
+            f"{'met' if d['target_met'] else 'missed'}. ({d['regime']}; {load_note(d)})\n")
+
+
 # ---- the per-turn path (tools/bench_turn_path.py) ---------------------------------------
 @renderer("turn_path")
 def turn_path(d: dict) -> str:

@@ -53,6 +53,7 @@ class PredictSettings:
     steps: int = 1
     draft_tokens: int = 16  # most tokens drafted per step (EngineConfig.num_speculative_tokens)
     replay_engines: int | None = None  # engines of the speculation replay (None: min(engines, 8))
+    replay_groups: int | None = 64  # groups the speculation replay samples (None: all of them)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -63,6 +64,7 @@ class PredictSettings:
         check_int("PredictSettings", "steps", self.steps, 1)
         check_int("PredictSettings", "draft_tokens", self.draft_tokens, 1)
         check_int("PredictSettings", "replay_engines", self.replay_engines, 1, nullable=True)
+        check_int("PredictSettings", "replay_groups", self.replay_groups, 1, nullable=True)
         if self.tool_latency_s is not None:
             check_number("PredictSettings", "tool_latency_s", self.tool_latency_s, ge=0)
 
@@ -75,17 +77,28 @@ def _proposer(mode: str, engines: int):
 
 def measure_speculation(trajectories: Sequence[Any], mode: str, settings: PredictSettings,
                         progress: bool = False) -> dict[str, float]:
-    """Tokens per verification step and drafted tokens per step of ``mode`` on the trajectories."""
+    """Tokens per verification step and drafted tokens per step of ``mode`` on the trajectories:
+    on a seeded sample of ``replay_groups`` whole groups (what drafting finds is a per-turn rate;
+    vLLM's suffix method rebuilds a tree of each request's prompt, so replaying every turn of a
+    large trace set would take the prediction tens of minutes)."""
+    import numpy as np
+
     from ..traces import group_trajectories
     from .spec_replay import ReplayConfig, replay
 
     engines = settings.replay_engines or min(settings.engines, 8)
-    result = replay(group_trajectories(trajectories), _proposer(mode, engines),
+    groups = group_trajectories(trajectories)
+    if settings.replay_groups is not None and len(groups) > settings.replay_groups:
+        keys = sorted(groups)
+        pick = np.random.default_rng(settings.seed).choice(len(keys), settings.replay_groups, replace=False)
+        groups = {keys[i]: groups[keys[i]] for i in sorted(pick)}
+    result = replay(groups, _proposer(mode, engines),
                     ReplayConfig(engines=engines, k=settings.draft_tokens, steps=settings.steps, seed=settings.seed),
                     progress=progress)
     steps = max(result.verification_steps, 1)
     return {"tokens_per_step": result.tokens_per_step, "acceptance": result.acceptance_rate,
-            "drafted_per_step": result.draft_tokens / steps, "replay_engines": engines}
+            "drafted_per_step": result.draft_tokens / steps, "replay_engines": engines,
+            "replay_groups": len(groups), "replay_trajectories": sum(len(g) for g in groups.values())}
 
 
 def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Sequence[str] = DEFAULT_CONFIGS,
@@ -105,9 +118,12 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
         prepared = prepare_trajectories([_without_delays(t) for t in trajectories])
     latency = settings.tool_latency_s if settings.tool_latency_s is not None else (None if recorded else 1.0)
     spec: dict[str, dict[str, float]] = {}
+    timing = {"prepare_s": time.perf_counter() - t0, "replay_s": 0.0, "simulate_s": 0.0}
     for mode in sorted({CONFIGS[c][1] for c in configs} - {"none"}):
         say(f"speculation replay: {mode}")
+        t1 = time.perf_counter()
         spec[mode] = measure_speculation(trajectories, mode, settings, progress=progress is not None)
+        timing["replay_s"] += time.perf_counter() - t1
 
     memo: dict[tuple[str, str], float] = {}
 
@@ -121,7 +137,9 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
                         spec_tokens_per_step=max(1.0, s["tokens_per_step"]) if s else 1.0,
                         spec_drafted_per_step=s["drafted_per_step"] if s else 0.0)
         say(f"simulating {policy} ({mode})")
+        t1 = time.perf_counter()
         memo[(policy, mode)] = simulate(prepared, policy, cfg).makespan_s
+        timing["simulate_s"] += time.perf_counter() - t1
         return memo[(policy, mode)]
 
     rows = {}
@@ -139,7 +157,7 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
         row["x_openrlhf"] = base / row["step_s"] if row["step_s"] > 0 else None
     return {"configs": rows, "speculation": spec,
             "tool_latency": "recorded" if latency is None else f"{latency:g} s a tool call",
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "timing": timing}
 
 
 def _without_delays(t):
