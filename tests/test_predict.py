@@ -143,8 +143,11 @@ def test_prediction_per_configuration_with_drafting_from_siblings(tmp_path):
     (tmp_path / "tau.json").write_text(json.dumps(_chat_records(4, 4)))
     ts = load_trace_files(tmp_path / "tau.json")
     settings = PredictSettings(engines=2, cost_model="h100_qwen7b", tool_latency_s=0.2, replay_engines=2)
-    r = predict(ts.trajectories, settings, ["war", "war_sched_only", "openrlhf_vllm_suffix", "dynamo_kv"])
+    r = predict(ts.trajectories, settings, ["war", "war_sched_only", "openrlhf_vllm_suffix", "dynamo_kv"], jobs=2)
     rows = r["configs"]
+    alone = predict(ts.trajectories, settings, ["war", "war_sched_only", "openrlhf_vllm_suffix", "dynamo_kv"], jobs=1)
+    assert r["processes"] == 2 and alone["processes"] == 1  # worker processes compute what one process does
+    assert alone["configs"] == rows and alone["speculation"] == r["speculation"]
     assert list(rows) == ["openrlhf", "war", "war_sched_only", "openrlhf_vllm_suffix", "dynamo_kv"]
     assert rows["openrlhf"]["x_openrlhf"] == 1.0
     for row in rows.values():

@@ -56,8 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds a tool call takes (default: the traces' recorded latencies, else 1 s)")
     ap.add_argument("--steps", type=int, default=1, help="synchronous steps the trajectories are split into (default 1)")
     ap.add_argument("--draft-tokens", type=int, default=16, help="most tokens drafted per step (default 16)")
-    ap.add_argument("--replay-groups", type=int, default=64,
-                    help="groups the speculation replay samples (default 64; 0: every group)")
+    ap.add_argument("--replay-groups", type=int, default=32,
+                    help="groups the speculation replay samples (default 32; 0: every group)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="processes for the replays and simulations (default 0: one per core)")
     ap.add_argument("--tokenizer", default=None,
                     help="a Hugging Face tokenizer directory for chat traces (default: the bundled Qwen2.5 one)")
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from ..traces.trace_files import load_trace_files, trace_summary
 
     for flag, value, least in (("engines", args.engines, 1), ("steps", args.steps, 1),
-                               ("replay-groups", args.replay_groups, 0), ("draft-tokens", args.draft_tokens, 1),
+                               ("replay-groups", args.replay_groups, 0), ("jobs", args.jobs, 0),
+                               ("draft-tokens", args.draft_tokens, 1),
                                ("kv-tokens", args.kv_tokens, 16)):
         if value is not None and value < least:
             raise SystemExit(f"war-predict: --{flag}: must be >= {least}, got {value}")
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = trace_summary(traces)
     say = None if args.quiet else (lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
     try:
-        result = predict(traces.trajectories, settings, configs, progress=say)
+        result = predict(traces.trajectories, settings, configs, progress=say, jobs=args.jobs or None)
     except ValueError as exc:
         raise SystemExit(f"war-predict: {exc}") from None
     validation = validation_note()

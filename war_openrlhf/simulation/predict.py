@@ -13,6 +13,10 @@ recorded one (greedy verification): with sampling at temperature 1 real acceptan
 WAR's load-aware switch turns drafting off where it does not pay; it is modelled as the faster of
 drafting on and off for the whole step (``war``'s row says which).
 
+The replay samples whole groups (``replay_groups``): drafting's rate per turn needs a few
+thousand turns, not every turn of a large trace set. Replays and simulations run in worker
+processes (one per core; they read the trajectories through ``fork``, never pickled).
+
 Everything else (prefill, prefix caching at the engine's block size, KV limits and eviction,
 batching, tool latency, placement) is the simulator's own (:mod:`.cluster`), with its cost model
 (a preset or a file ``bench_engine --fit-costs`` wrote).
@@ -53,7 +57,7 @@ class PredictSettings:
     steps: int = 1
     draft_tokens: int = 16  # most tokens drafted per step (EngineConfig.num_speculative_tokens)
     replay_engines: int | None = None  # engines of the speculation replay (None: min(engines, 8))
-    replay_groups: int | None = 64  # groups the speculation replay samples (None: all of them)
+    replay_groups: int | None = 32  # groups the speculation replay samples (None: all of them)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,10 +105,28 @@ def measure_speculation(trajectories: Sequence[Any], mode: str, settings: Predic
             "replay_groups": len(groups), "replay_trajectories": sum(len(g) for g in groups.values())}
 
 
+#: what worker processes read (set before they fork: the trajectories are not pickled)
+_SHARED: dict[str, Any] = {}
+
+
+def _replay_job(mode: str) -> dict[str, float]:
+    return measure_speculation(_SHARED["trajectories"], mode, _SHARED["settings"])
+
+
+def _simulate_job(policy: str, cfg) -> float:
+    from .cluster import simulate
+
+    return simulate(_SHARED["prepared"], policy, cfg).makespan_s
+
+
 def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Sequence[str] = DEFAULT_CONFIGS,
-            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Predicted step time of each configuration and its gain over ``openrlhf`` (always run)."""
-    from .cluster import SimConfig, prepare_trajectories, simulate
+            progress: Callable[[str], None] | None = None, jobs: int | None = None) -> dict[str, Any]:
+    """Predicted step time of each configuration and its gain over ``openrlhf`` (always run).
+    ``jobs``: worker processes for the replays and simulations (None: one per core; 1: none)."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from .cluster import SimConfig, prepare_trajectories
 
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -117,29 +139,50 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
     if settings.tool_latency_s is not None and recorded:  # the user's figure replaces the recorded ones
         prepared = prepare_trajectories([_without_delays(t) for t in trajectories])
     latency = settings.tool_latency_s if settings.tool_latency_s is not None else (None if recorded else 1.0)
-    spec: dict[str, dict[str, float]] = {}
     timing = {"prepare_s": time.perf_counter() - t0, "replay_s": 0.0, "simulate_s": 0.0}
-    for mode in sorted({CONFIGS[c][1] for c in configs} - {"none"}):
-        say(f"speculation replay: {mode}")
-        t1 = time.perf_counter()
-        spec[mode] = measure_speculation(trajectories, mode, settings, progress=progress is not None)
-        timing["replay_s"] += time.perf_counter() - t1
+    modes = sorted({CONFIGS[c][1] for c in configs} - {"none"})
+    pairs = sorted({CONFIGS[c] for c in configs} | {(CONFIGS[c][0], "none") for c in configs if c in SWITCHED})
 
+    def sim_config(mode: str, spec: dict[str, dict[str, float]]):
+        s = spec.get(mode) if mode != "none" else None
+        return SimConfig(num_engines=settings.engines, preset=settings.cost_model,
+                         kv_capacity_tokens=settings.kv_tokens, steps=settings.steps, seed=settings.seed,
+                         tool_delay_s=latency if latency is not None else 1.0,
+                         spec_tokens_per_step=max(1.0, s["tokens_per_step"]) if s else 1.0,
+                         spec_drafted_per_step=s["drafted_per_step"] if s else 0.0)
+
+    _SHARED.update(trajectories=trajectories, settings=settings, prepared=prepared)
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(modes) + len(pairs)))
+    spec: dict[str, dict[str, float]] = {}
     memo: dict[tuple[str, str], float] = {}
+    try:
+        if workers == 1:
+            for mode in modes:
+                say(f"speculation replay: {mode}")
+                spec[mode] = measure_speculation(trajectories, mode, settings, progress=progress is not None)
+            timing["replay_s"] = time.perf_counter() - t0 - timing["prepare_s"]
+            for policy, mode in pairs:
+                say(f"simulating {policy} ({mode})")
+                memo[(policy, mode)] = _simulate_job(policy, sim_config(mode, spec))
+        else:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            say(f"{len(modes)} speculation replays and {len(pairs)} simulations on {workers} processes")
+            with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
+                # simulations without drafting need no replay: they start with the replays
+                plain = {ex.submit(_simulate_job, p, sim_config("none", {})): (p, m) for p, m in pairs if m == "none"}
+                replays = {m: ex.submit(_replay_job, m) for m in modes}
+                spec = {m: f.result() for m, f in replays.items()}
+                timing["replay_s"] = time.perf_counter() - t0 - timing["prepare_s"]
+                drafted = {ex.submit(_simulate_job, p, sim_config(m, spec)): (p, m) for p, m in pairs if m != "none"}
+                for f, key in {**plain, **drafted}.items():
+                    memo[key] = f.result()
+    finally:
+        _SHARED.clear()
+    timing["simulate_s"] = time.perf_counter() - t0 - timing["prepare_s"] - timing["replay_s"]
 
     def step_s(policy: str, mode: str) -> float:
-        if (policy, mode) in memo:
-            return memo[(policy, mode)]
-        s = spec.get(mode) if mode != "none" else None
-        cfg = SimConfig(num_engines=settings.engines, preset=settings.cost_model,
-                        kv_capacity_tokens=settings.kv_tokens, steps=settings.steps, seed=settings.seed,
-                        tool_delay_s=latency if latency is not None else 1.0,
-                        spec_tokens_per_step=max(1.0, s["tokens_per_step"]) if s else 1.0,
-                        spec_drafted_per_step=s["drafted_per_step"] if s else 0.0)
-        say(f"simulating {policy} ({mode})")
-        t1 = time.perf_counter()
-        memo[(policy, mode)] = simulate(prepared, policy, cfg).makespan_s
-        timing["simulate_s"] += time.perf_counter() - t1
         return memo[(policy, mode)]
 
     rows = {}
@@ -157,7 +200,7 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
         row["x_openrlhf"] = base / row["step_s"] if row["step_s"] > 0 else None
     return {"configs": rows, "speculation": spec,
             "tool_latency": "recorded" if latency is None else f"{latency:g} s a tool call",
-            "seconds": time.perf_counter() - t0, "timing": timing}
+            "seconds": time.perf_counter() - t0, "timing": timing, "processes": workers}
 
 
 def _without_delays(t):
