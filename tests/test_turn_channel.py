@@ -33,6 +33,20 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+def _with_channel(body):
+    """Run ``body(client, server)`` against a server on loopback, both closed afterwards."""
+    async def main():
+        server = TurnChannelServer(_handler)
+        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+        try:
+            await body(client, server)
+        finally:
+            client.close()
+            server.close()
+
+    _run(main())
+
+
 def test_answers_find_their_requests_out_of_order_and_contexts_arrive_exactly():
     async def main():
         server = TurnChannelServer(_handler)
@@ -54,9 +68,7 @@ def test_answers_find_their_requests_out_of_order_and_contexts_arrive_exactly():
 
 
 def test_an_engine_error_keeps_its_class_names_and_a_dead_engine_is_recognised():
-    async def main():
-        server = TurnChannelServer(_handler)
-        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+    async def body(client, _server):
         ctx = np.arange(3, dtype=np.int32)
         with pytest.raises(RemoteError, match="ValueError: bad sampling params") as bad:
             await client.request(client.encode(ctx, {"fail": "value"}, "t", "g", 0))
@@ -66,23 +78,17 @@ def test_an_engine_error_keeps_its_class_names_and_a_dead_engine_is_recognised()
         assert dead.value.class_names[:2] == ["EngineDeadError", "RuntimeError"] and actor_died(dead.value)
         # the connection survives request errors
         assert (await client.request(client.encode(ctx, {}, "t", "g", 0)))["token_ids"] == [2, 1, 0]
-        client.close()
-        server.close()
 
-    _run(main())
+    _with_channel(body)
 
 
 def test_kwargs_msgpack_cannot_carry_are_refused_before_sending():
-    async def main():
-        server = TurnChannelServer(_handler)
-        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+    async def body(client, _server):
         with pytest.raises(TypeError):
             client.encode(np.arange(2), {"logits_processors": [object()]}, "t", "g", 0)
         assert (await client.request(client.encode(np.arange(2), {}, "t", "g", 0)))["token_ids"] == [1, 0]
-        client.close()
-        server.close()
 
-    _run(main())
+    _with_channel(body)
 
 
 def test_a_connection_without_the_secret_is_refused():
@@ -149,5 +155,40 @@ def test_closing_from_a_finished_event_loop_drops_the_socket():
         assert holder["client"].closed
         server.close()
         assert loop.is_running()
+
+    _run(main())
+
+
+def test_turn_answers_keep_the_load_fresh_and_polls_skip_until_the_step_cost_is_due():
+    """``EngineClient.refresh_load(max_age_s)``: no poll while turn answers brought the queue within
+    ``max_age_s``; a poll when they did not, and every ``10 * max_age_s`` for the step cost."""
+    import time
+
+    from war_openrlhf.rollout.engine_client import EngineClient
+
+    class Engine:  # the two calls the client makes here, counted
+        polls = 0
+
+        async def generate_tokens(self, ids, params, request_id, trajectory_id, group_id):
+            return {"token_ids": [1], "logprobs": [0.0], "load_now": {"waiting": 3, "running": 1}}
+
+        async def load(self):
+            Engine.polls += 1
+            return {"waiting": 0, "running": 0, "step_s": 0.01}
+
+    async def main():
+        client = EngineClient(0, Engine())
+        answer = await client.generate_tokens([1, 2], {"max_tokens": 1}, "t", "g")
+        assert "load_now" not in answer and client.load["waiting"] == 3 and client.load_at > 0
+        await client.refresh_load(0.5)  # the queue is fresh, but the step cost was never read
+        assert Engine.polls == 1 and client.load["step_s"] == 0.01
+        await client.generate_tokens([1, 2], {"max_tokens": 1}, "t", "g")
+        await client.refresh_load(0.5)  # both fresh: no call
+        assert Engine.polls == 1 and client.load == {"waiting": 3, "running": 1, "step_s": 0.01}
+        client.load_at = time.monotonic() - 1.0  # no answer for longer than max_age_s
+        await client.refresh_load(0.5)
+        assert Engine.polls == 2
+        await client.refresh_load()  # no max_age_s: always a poll
+        assert Engine.polls == 3
 
     _run(main())

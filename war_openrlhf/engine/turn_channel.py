@@ -164,21 +164,22 @@ class TurnChannelClient:
 
     @staticmethod
     def encode(context: np.ndarray, sampling_kwargs: dict[str, Any], trajectory_id: str | None,
-               group_id: str | None, priority: int) -> list:
-        """A request's fields; raises ``TypeError`` when msgpack cannot carry the sampling kwargs."""
-        body = [np.ascontiguousarray(context, dtype=np.int32).tobytes(), sampling_kwargs, trajectory_id, group_id,
-                int(priority)]
-        msgpack.packb(body[1], use_bin_type=True)  # fail here, before the request is numbered
-        return body
+               group_id: str | None, priority: int) -> bytes:
+        """A request's fields, packed once (msgpack's items of the request array after its number);
+        raises ``TypeError`` when msgpack cannot carry the sampling kwargs."""
+        fields = (np.ascontiguousarray(context, dtype=np.int32).tobytes(), sampling_kwargs, trajectory_id, group_id,
+                  int(priority))
+        return b"".join(msgpack.packb(f, use_bin_type=True) for f in fields)
 
-    async def request(self, fields: list) -> dict[str, Any]:
+    async def request(self, fields: bytes) -> dict[str, Any]:
+        """Send a request :meth:`encode` packed; its answer (or the engine's :class:`RemoteError`)."""
         if self.closed:
             raise ChannelClosed("turn channel closed")
         number = next(self._numbers)
         future = self.loop.create_future()
         self._waiting[number] = future
-        try:
-            self._writer.write(_frame(msgpack.packb([number, *fields], use_bin_type=True)))
+        try:  # a 6-item array: its number, then the packed fields
+            self._writer.write(_frame(b"\x96" + msgpack.packb(number) + fields))
             if self._writer.transport.get_write_buffer_size() > (4 << 20):
                 await self._writer.drain()
             return await future

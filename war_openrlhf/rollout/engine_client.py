@@ -178,7 +178,7 @@ class EngineClient:
         extra = (int(priority),) if priority else ()  # vLLM's request priority (engines with priority scheduling)
         return self._call("generate_tokens", ids, dict(sampling_params), None, trajectory_id, group_id, *extra)
 
-    async def _channel_turn(self, channel: TurnChannelClient, fields: list, ids: np.ndarray,
+    async def _channel_turn(self, channel: TurnChannelClient, fields: bytes, ids: np.ndarray,
                             sampling_params: dict[str, Any], trajectory_id: str, group_id: str,
                             priority: int) -> dict[str, Any]:
         try:

@@ -152,7 +152,11 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
                          spec_drafted_per_step=s["drafted_per_step"] if s else 0.0)
 
     _SHARED.update(trajectories=trajectories, settings=settings, prepared=prepared)
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(modes) + len(pairs)))
+    import multiprocessing
+
+    # workers read the trajectories from _SHARED as forked; where a process cannot fork: none
+    can_fork = "fork" in multiprocessing.get_all_start_methods()
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(modes) + len(pairs))) if can_fork else 1
     spec: dict[str, dict[str, float]] = {}
     memo: dict[tuple[str, str], float] = {}
     try:
@@ -165,9 +169,7 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
                 say(f"simulating {policy} ({mode})")
                 memo[(policy, mode)] = _simulate_job(policy, sim_config(mode, spec))
         else:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+            ctx = multiprocessing.get_context("fork")
             say(f"{len(modes)} speculation replays and {len(pairs)} simulations on {workers} processes")
             with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
                 # simulations without drafting need no replay: they start with the replays
@@ -182,15 +184,12 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
         _SHARED.clear()
     timing["simulate_s"] = time.perf_counter() - t0 - timing["prepare_s"] - timing["replay_s"]
 
-    def step_s(policy: str, mode: str) -> float:
-        return memo[(policy, mode)]
-
     rows = {}
     for name in configs:
         policy, mode = CONFIGS[name]
-        row: dict[str, Any] = {"policy": policy, "speculation": mode, "step_s": step_s(policy, mode)}
+        row: dict[str, Any] = {"policy": policy, "speculation": mode, "step_s": memo[(policy, mode)]}
         if name in SWITCHED:  # the switch keeps drafting off where it costs more than it saves
-            off = step_s(policy, "none")
+            off = memo[(policy, "none")]
             row["step_s_drafting_on"], row["step_s_drafting_off"] = row["step_s"], off
             row["switch"] = "on" if row["step_s"] <= off else "off"
             row["step_s"] = min(row["step_s"], off)
