@@ -356,8 +356,7 @@ class WarDispatchPolicy(DispatchPolicy):
 
     # ---- DispatchPolicy --------------------------------------------------------------------
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
-        healthy = self._healthy(engines)
-        self._note_engines(healthy)
+        healthy, mask = self._note_engines(engines)
         tid = request.trajectory_id
         traj = self.trajectories.get(tid)
         is_new = traj is None
@@ -369,44 +368,57 @@ class WarDispatchPolicy(DispatchPolicy):
         traj.sync(ctx)
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
-        matched = self.index.match_engines(traj.hashes, healthy, traj.hint)
+        matched = self.index.match_all(traj.hashes, mask, traj.hint)
         traj.hint = matched
         bsz = self.block_sizes
-
-        def cached_on(eid: int) -> int:
-            blocks = matched.get(eid)
-            return whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid]) if blocks else 0
+        # tokens each engine would reuse (engines absent hold nothing of this context)
+        cached = {eid: whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid])
+                  for eid, blocks in matched.items() if blocks}
 
         k = rec.turns if rec is not None else 0
-        p, scores = self._scores(healthy, n, k, cached_on)
+        p, scores = self._scores(healthy, n, k, cached)
         if self.admission and sum(self.live) > 0:
             over_all = self._charge_evictions(scores, healthy, cur, k, n if rec is None else rec.tokens, p,
-                                              cached_on)
+                                              cached)
             if over_all and is_new and self.deferral_pays():
                 self.deferrals += 1
                 return DEFER
         self.last_scores = scores
         chosen = self._pick(scores, healthy, cur)
         if is_new:
-            self._start_trajectory(tid, traj, chosen, n, cached_on(chosen), request.arrival_s)
+            self._start_trajectory(tid, traj, chosen, n, cached.get(chosen, 0), request.arrival_s)
         elif rec is not None:
             self._continue_trajectory(rec, chosen, n, max_cached, request.arrival_s)
         traj.engine = chosen
         return chosen
 
-    def _note_engines(self, healthy: Sequence[EngineState]) -> None:
-        """Block sizes, and KV capacities when they come from the engines' reports."""
-        for e in healthy:
-            self.block_sizes[e.engine_id] = e.kv_block_size
-        if self._caps_from_snapshot:
-            seen = self._cap_tokens_seen
-            for e in healthy:
-                if seen.get(e.engine_id) != e.kv_capacity_tokens:
-                    seen[e.engine_id] = e.kv_capacity_tokens
-                    self.capacity_tokens[e.engine_id] = e.kv_capacity_tokens
-                    self.index.set_capacity(e.engine_id, e.kv_capacity_tokens // BLOCK_SIZE)
+    def _note_engines(self, engines: Sequence[EngineState]) -> tuple:
+        """``(healthy engines, their bitmask)``, noting block sizes and, when they come from
+        the engines' reports, KV capacities: one pass over the engines (the base class's
+        checks: an id out of range or no healthy engine raise)."""
+        mask = 0
+        bsz = self.block_sizes
+        n = self.num_engines
+        healthy = []
+        caps = self._cap_tokens_seen if self._caps_from_snapshot else None
+        for e in engines:
+            if not e.healthy:
+                continue
+            eid = e.engine_id
+            if not 0 <= eid < n:
+                raise ValueError(f"{self.name}: engine_id {eid} out of range [0, {n})")
+            healthy.append(e)
+            mask |= 1 << eid
+            bsz[eid] = e.kv_block_size
+            if caps is not None and caps.get(eid) != e.kv_capacity_tokens:
+                caps[eid] = e.kv_capacity_tokens
+                self.capacity_tokens[eid] = e.kv_capacity_tokens
+                self.index.set_capacity(eid, e.kv_capacity_tokens // BLOCK_SIZE)
+        if not healthy:
+            self._healthy(engines)  # raises the base class's error naming the engines
+        return healthy, mask
 
-    def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached_on) -> tuple:
+    def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached: Dict[int, int]) -> tuple:
         """``(p, scores)``: the prefill rate used, and each engine's cost in seconds of taking
         this turn (``n`` context tokens, ``k`` turns done): its own wait, prefill and expected
         decode, and what it adds to the requests already there."""
@@ -420,9 +432,10 @@ class WarDispatchPolicy(DispatchPolicy):
         w = 1.0 + self._progress(k)
         rs1 = r * s1 * self.remaining_turns(k)
         scores: Dict[int, float] = {}
+        cached_on = cached.get
         for e in healthy:
             eid = e.engine_id
-            u = n - cached_on(eid)
+            u = n - cached_on(eid, 0)
             run = e.running
             b = run + e.waiting + e.pending_turns
             wait = e.waiting * lat / (run + 1) if e.waiting else 0.0
@@ -430,17 +443,22 @@ class WarDispatchPolicy(DispatchPolicy):
             if short > 0 and e.kv_used_tokens:  # until running requests free that much KV
                 kv_wait = lat * short / e.kv_used_tokens
                 wait = kv_wait if kv_wait > wait else wait
-            scores[eid] = w * (wait + p * u + rs1 * (b + 1)) + run * p * u + b * rs1
+            # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored
+            scores[eid] = w * wait + p * u * (w + run) + rs1 * (w * (b + 1) + b)
         return p, scores
 
     def _charge_evictions(self, scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int],
-                          k: int, size: int, p: float, cached_on) -> bool:
+                          k: int, size: int, p: float, cached: Dict[int, int]) -> bool:
         """Add the eviction harm to ``scores`` in place; True when every engine it was checked
         on would overflow (then deferring a new trajectory may pay).
 
         Tokens pushed past an engine's budget are evicted from parked trajectories and
         recomputed every round this trajectory lives there. Checked in order of the other
-        costs, only while it could change the choice."""
+        costs, only while it could change the choice: when the cheapest engine overflows
+        nothing (the trajectory's own engine never does), no other is checked."""
+        best = min(scores, key=scores.get)
+        if best == cur or self.overflow(best, k, size - cached.get(best, 0)) <= 0:
+            return False
         rem = self.remaining_turns(k)
         run_of = {e.engine_id: e.running for e in healthy}
         clean_best = math.inf
@@ -451,7 +469,7 @@ class WarDispatchPolicy(DispatchPolicy):
             if eid == cur:
                 over = 0.0
             else:
-                over = self.overflow(eid, k, size - cached_on(eid))
+                over = self.overflow(eid, k, size - cached.get(eid, 0))
             if over > 0:
                 scores[eid] += p * over * rem * (run_of[eid] + 1)
             else:
