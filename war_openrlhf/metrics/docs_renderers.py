@@ -249,6 +249,19 @@ def _quiet(d: dict) -> bool:
     return bool(load and cpus and load[1] < cpus)
 
 
+def _yardstick(d: dict) -> str:
+    """The machine's speed as a trivial policy's decision: absolute microseconds move with the
+    CPU, even between machines of one kind."""
+    res = d["results"]
+    if "round_robin" not in res:
+        return ""
+    rr = res["round_robin"]["cpu_p50_us"]["median"]
+    w = res["war"]["cpu_p50_us"]["median"]
+    cpu = d.get("machine", {}).get("cpu_model", "this CPU")
+    return (f"On this machine ({cpu}) round_robin's decision takes {rr:.1f} us, so war's is "
+            f"{w / rr:.0f}x a trivial policy's; compare files by that ratio, not by microseconds.\n")
+
+
 @renderer("decision_target")
 def decision_target(d: dict) -> str:
     w = d["results"]["war"]["cpu_p50_us"]
@@ -263,6 +276,7 @@ def decision_target(d: dict) -> str:
             f"{d['workload']['max_context'] // 1024}k-token contexts: {spread_text(w)} us of CPU time "
             f"({spread_text(wall)} us wall), {'met' if ok else 'missed'} in these runs, {where}. The policies ran "
             "in turn within each run, so their ratios are less affected than their absolute times.\n"
+            f"{_yardstick(d)}"
             "Its block-hash chain is extended incrementally per turn (never rehashed); the time goes to the\n"
             "longest-cached-prefix lookup across engines, hashing the new blocks and one cost per engine.\n"
             "Its footprint projections (numpy, per engine, cached until the engine's live set changes)\n"
