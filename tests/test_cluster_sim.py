@@ -361,3 +361,29 @@ def test_engines_report_their_step_costs_from_a_regression_of_their_steps():
     assert last.step_s == pytest.approx(h.step_overhead_s, rel=0.15)
     assert last.step_per_seq_s > 0
     assert seen[0].step_s == 0.0  # nothing measured before the first steps
+
+
+def test_engines_can_report_more_kv_than_they_keep():
+    """reported_kv_scale: the policies read the scaled capacity, the engines evict by the real
+    one (what misleads a dispatcher that trusts the reports); a bad scale names the field."""
+    trajs = workload(groups=2)
+    with pytest.raises(ValueError, match="reported_kv_scale"):
+        simulate(trajs, "war", cfg(reported_kv_scale=0.0))
+
+    class Recorder(DispatchPolicy):
+        name = "recorder"
+
+        def __init__(self, n):
+            super().__init__(n)
+            self.caps = set()
+
+        def choose(self, request, engines):
+            self.caps.update(e.kv_capacity_tokens for e in engines)
+            return engines[0].engine_id
+
+    rec = Recorder(2)
+    truthful = simulate(trajs, Recorder(2), cfg(kv_capacity_tokens=8192))
+    misled = simulate(trajs, rec, cfg(kv_capacity_tokens=8192, reported_kv_scale=2.0))
+    assert rec.caps == {16384}
+    assert misled.makespan_s == truthful.makespan_s  # the engines themselves are unchanged
+    assert misled.policy_metrics == {}  # a policy without metrics reports none

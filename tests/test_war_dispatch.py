@@ -220,11 +220,13 @@ def _trained_policy(gap_s, caps=6000, engines=2, prompt=100, env=100):
         tid = f"w{i}"
         ctx = np.arange(prompt) + 100_000 * i
         e = pol.choose(req(tid, ctx, arrival=clock), sts)
+        held = 0  # one trajectory at a time: the engine holds its previous turn whole
         for turn in range(10):
             pol.on_turn_finished(req(tid, ctx, turn=turn), e, np.arange(100))
-            pol.observe_turn(e, prompt_tokens=len(ctx), cached_tokens=0, response_tokens=100,
+            pol.observe_turn(e, prompt_tokens=len(ctx), cached_tokens=held, response_tokens=100,
                              latency_s=0.5, batch=1, trajectory_id=tid)
             if turn < 9:
+                held = len(ctx) + 100
                 ctx = toks(ctx, np.arange(100), np.arange(env))
                 clock += 0.5 + gap_s
                 pol.choose(req(tid, ctx, turn=turn + 1, arrival=clock), sts)
@@ -637,3 +639,107 @@ def test_cost_eviction_term_spares_the_trajectorys_own_engine():
     pol.choose(req("t", nxt, turn=1), sts)
     ref = documented_cost(pol, len(nxt), sts, cached={0: cached}, k=1)
     assert pol.last_scores[0] == pytest.approx(ref[0], rel=1e-12)
+
+
+# ---------------------------------------------------------------- thrashing, measured
+def _returning_turns(pol, sts, engine, n_turns, kept, tid="t"):
+    """One trajectory pinned to ``engine`` by its cache; each returning turn the engine reports
+    ``kept`` (share) of the modelled hit as cached. Returns the engines its turns went to."""
+    ctx = np.arange(800, dtype=np.int32) + 1_000_000 * engine
+    got = [pol.choose(req(tid, ctx, arrival=0.0), sts)]
+    for turn in range(n_turns):
+        eid = got[-1]
+        pol.on_turn_finished(req(tid, ctx, turn=turn), eid, np.arange(64))
+        expected = pol._live[tid].expect_hit
+        pol.observe_turn(eid, prompt_tokens=len(ctx), cached_tokens=int(expected * kept) // 16 * 16,
+                         response_tokens=64, latency_s=0.1, batch=1, trajectory_id=tid)
+        ctx = toks(ctx, np.arange(64), np.arange(96) + 50_000 + 200 * turn)
+        got.append(pol.choose(req(tid, ctx, turn=turn + 1, arrival=0.0), sts))
+    return got
+
+
+def test_an_engine_that_recomputes_what_the_model_says_it_holds_is_modelled_smaller():
+    """Returning turns on engine 0 recompute 90% of their modelled hit: after a full window
+    the model of engine 0's KV shrinks by a quarter (its block model evicts to the new size),
+    engine 1 is untouched, the verdict is counted in metrics()."""
+    pol = make_policy("war", 2, kv_capacity_tokens=40_000, thrash_bound=0.3, thrash_window=8)
+    sts = states([0, 0], rates=RATES, cap=40_000)
+    got = _returning_turns(pol, sts, 0, 8 + 1, kept=0.1)
+    e = got[0]
+    assert pol.recent_reuse_loss(e) < 0.3  # the window restarted after the verdict
+    assert pol.kv_scale[e] == pytest.approx(0.75) and pol.kv_scale[1 - e] == 1.0
+    assert pol.capacity_tokens[e] == 30_000 and pol.capacity_tokens[1 - e] == 40_000
+    assert pol.index.capacity_blocks[e] == 30_000 // 16
+    m = pol.metrics()
+    assert m["thrash_verdicts"] == 1.0 and m["kv_scale_min"] == pytest.approx(0.75)
+    # a window short of full decides nothing
+    fresh = make_policy("war", 2, kv_capacity_tokens=40_000, thrash_bound=0.3, thrash_window=8)
+    _returning_turns(fresh, sts, 0, 7, kept=0.0)
+    assert fresh.kv_scale == [1.0, 1.0]
+
+
+def test_thrashing_shrinks_to_a_floor_and_recovers_to_the_report_never_past_it():
+    pol = make_policy("war", 2, kv_capacity_tokens=400_000, thrash_bound=0.3, thrash_window=4)
+    sts = states([0, 0], rates=RATES, cap=400_000)
+    got = _returning_turns(pol, sts, 0, 4 * 12, kept=0.0, tid="a")
+    e = got[0]
+    assert pol.kv_scale[e] == 0.1  # floor: a tenth of the report
+    assert pol.capacity_tokens[e] == 40_000
+    _returning_turns(pol, sts, e, 4 * 60, kept=1.0, tid="b")
+    assert pol.kv_scale[e] == 1.0 and pol.capacity_tokens[e] == 400_000
+    # losses between a quarter of the bound and the bound change nothing
+    mid = make_policy("war", 2, kv_capacity_tokens=40_000, thrash_bound=0.3, thrash_window=4)
+    _returning_turns(mid, sts, 0, 4 * 5, kept=0.85)
+    assert mid.kv_scale == [1.0, 1.0]
+
+
+def test_misses_past_the_budget_are_not_thrashing_evidence():
+    """A trajectory that outgrows the modelled KV: its misses are what the model predicts
+    (admission took them knowingly), so they bring no verdict."""
+    pol = make_policy("war", 2, kv_capacity_tokens=1_600, thrash_bound=0.3, thrash_window=4)
+    sts = states([0, 0], rates=RATES, cap=1_600)
+    _returning_turns(pol, sts, 0, 4 * 5, kept=0.0)
+    assert pol.kv_scale == [1.0, 1.0] and pol.thrash_verdicts == 0
+
+
+def test_thrashing_off_and_a_snapshot_capacity_keeps_the_measured_share():
+    off = make_policy("war", 2, kv_capacity_tokens=40_000, thrash_bound=None, thrash_window=4)
+    sts = states([0, 0], rates=RATES, cap=40_000)
+    _returning_turns(off, sts, 0, 20, kept=0.0)
+    assert off.kv_scale == [1.0, 1.0] and off.capacity_tokens == [40_000, 40_000]
+    # capacities read from the engines: a new report is scaled by what was measured
+    pol = make_policy("war", 2, thrash_bound=0.3, thrash_window=4)
+    got = _returning_turns(pol, sts, 0, 5, kept=0.0)
+    e = got[0]
+    assert pol.capacity_tokens[e] == 30_000
+    pol.choose(req("other", np.arange(100) + 7_000_000, arrival=0.0), states([0, 0], rates=RATES, cap=80_000))
+    assert pol.capacity_tokens[e] == 60_000 and pol.capacity_tokens[1 - e] == 80_000
+
+
+def test_new_trajectories_avoid_an_engine_found_thrashing():
+    """Two idle engines, a live trajectory on engine 0. If its returning turns hit, a new
+    6k-token trajectory fits engine 0's KV and the tie goes to the lower id; if they are found
+    recomputing, engine 0's modelled KV shrinks below what both would need, the eviction
+    charge raises its cost and the newcomer goes to engine 1."""
+    def run(kept):
+        pol = make_policy("war", 2, kv_capacity_tokens=12_000, thrash_bound=0.3, thrash_window=4)
+        sts = states([0, 0], rates=RATES, cap=12_000)
+        got = _returning_turns(pol, sts, 0, 4 * 3, kept=kept)
+        first = pol.choose(req("new", np.arange(6000) + 9_000_000, arrival=0.0), sts)
+        return pol, got[0], first
+
+    ok, e_ok, first_ok = run(1.0)
+    bad, e_bad, first_bad = run(0.0)
+    assert e_ok == e_bad == 0
+    assert ok.kv_scale == [1.0, 1.0] and first_ok == 0
+    assert ok.last_scores[0] == pytest.approx(ok.last_scores[1])
+    assert bad.kv_scale[0] < 1.0 and first_bad == 1
+    assert bad.last_scores[0] > ok.last_scores[0]
+
+
+@pytest.mark.parametrize("kw, field", [({"thrash_bound": 1.5}, "thrash_bound"),
+                                       ({"thrash_bound": 0.0}, "thrash_bound"),
+                                       ({"thrash_window": 0}, "thrash_window")])
+def test_thrashing_options_are_checked(kw, field):
+    with pytest.raises(ValueError, match=field):
+        make_policy("war", 2, **kw)

@@ -64,18 +64,32 @@ rates and trajectories per step, says waves finish sooner (with slow tools they 
 It never defers a later turn or when no trajectory is live; the caller offers a deferred
 turn again when a turn finishes.
 
+Thrashing, measured (``thrash_bound``): every returning turn says how much of what the model
+said its engine held was recomputed (``observe_turn``'s cached tokens). Counted only while the
+model holds the engine's live trajectories within its budget (past it the model predicts the
+misses itself): when an engine, over its last ``thrash_window`` such turns, recomputed more
+than ``thrash_bound`` of it, the engine keeps less than the model holds (another tenant's
+requests, a capacity report that counts blocks the prefix cache cannot keep); the model's KV
+of it shrinks by a quarter (floor: a tenth of the report), which evicts from the block model
+and lowers its admission budget (new trajectories go elsewhere or wait). It grows back by 5%
+per window with almost no recomputation, up to the report. Off by default (``null``): what it
+gains and costs is measured by ``tools/bench_thrashing.py`` (docs/benchmarks.md, "KV
+thrashing"); vLLM's KV events (``kv_events: true``) correct the block model exactly instead.
+
 Cache bookkeeping: a new trajectory's prompt is recorded on the chosen engine at ``choose()``
 (vLLM caches a prompt as soon as it is prefilled, which lets the other samples of a GRPO
 group find it); every turn's context + response in ``on_turn_finished``, O(new blocks).
 A weight sync (``on_prefix_cache_reset``) empties the model; the measurements stay.
 
 Options: ``kv_capacity_tokens`` (per engine, int or sequence; ``None`` takes it from the
-engine snapshots and follows it when it changes) and ``admission`` (``False``: never defer).
+engine snapshots and follows it when it changes), ``admission`` (``False``: never defer),
+``thrash_bound`` and ``thrash_window``.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -114,10 +128,21 @@ class WarOptions(PolicyOptions):
         "help": "KV tokens per engine, one number or one per engine (None: read from the engines' reports)"})
     admission: bool = field(default=True, metadata={
         "help": "hold new trajectories back while the engines' KV is short (true/false)"})
+    thrash_bound: Optional[float] = field(default=None, metadata={
+        "help": "share of returning trajectories' modelled cache hits an engine recomputed, over "
+                "its last thrash_window returning turns, above which its KV is modelled smaller "
+                "(null, the default: never; 0.3 is the value benchmarked)"})
+    thrash_window: int = field(default=16, metadata={
+        "help": "returning turns per engine behind each thrashing verdict"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.admission, bool):
             raise ValueError(f"admission must be true or false, got {self.admission!r}")
+        if self.thrash_bound is not None and not 0.0 < self.thrash_bound < 1.0:
+            raise ValueError(f"thrash_bound must be in (0, 1) or null, got {self.thrash_bound!r}")
+        if isinstance(self.thrash_window, bool) or not isinstance(self.thrash_window, int) \
+                or self.thrash_window < 1:
+            raise ValueError(f"thrash_window must be an int >= 1, got {self.thrash_window!r}")
         caps = self.kv_capacity_tokens
         if caps is None:
             return
@@ -138,11 +163,15 @@ class WarDispatchPolicy(DispatchPolicy):
 
     def __init__(self, num_engines: int, *,
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
-                 admission: bool = True) -> None:
+                 admission: bool = True, thrash_bound: Optional[float] = None,
+                 thrash_window: int = 16) -> None:
         super().__init__(num_engines)
-        options = WarOptions(kv_capacity_tokens=kv_capacity_tokens, admission=admission)
+        options = WarOptions(kv_capacity_tokens=kv_capacity_tokens, admission=admission,
+                             thrash_bound=thrash_bound, thrash_window=thrash_window)
         options.check_engines(num_engines)
         self.admission = admission
+        self.thrash_bound = thrash_bound
+        self.thrash_window = thrash_window
         if kv_capacity_tokens is None:
             caps = [_UNSET_CAPACITY] * num_engines
             self._caps_from_snapshot = True
@@ -152,6 +181,10 @@ class WarDispatchPolicy(DispatchPolicy):
             caps = [int(c) for c in caps]
             self._caps_from_snapshot = False
         E = num_engines
+        self.reported_capacity = list(caps)   # what the engines (or the options) say
+        self.kv_scale = [1.0] * E             # share of it the engine measurably keeps
+        self._reuse_window: List[deque] = [deque(maxlen=thrash_window) for _ in range(E)]
+        self.thrash_verdicts = 0
         self.capacity_tokens = caps
         self.index = BlockHashIndex(E, [c // BLOCK_SIZE for c in caps])
         self.block_sizes = [BLOCK_SIZE] * E
@@ -412,8 +445,8 @@ class WarDispatchPolicy(DispatchPolicy):
             bsz[eid] = e.kv_block_size
             if caps is not None and caps.get(eid) != e.kv_capacity_tokens:
                 caps[eid] = e.kv_capacity_tokens
-                self.capacity_tokens[eid] = e.kv_capacity_tokens
-                self.index.set_capacity(eid, e.kv_capacity_tokens // BLOCK_SIZE)
+                self.reported_capacity[eid] = e.kv_capacity_tokens
+                self._set_capacity(eid)
         if not healthy:
             self._healthy(engines)  # raises the base class's error naming the engines
         return healthy, mask
@@ -565,7 +598,65 @@ class WarDispatchPolicy(DispatchPolicy):
             missed = max(rec.expect_hit - cached_tokens, 0)
             self.expected_reuse[engine_id] += rec.expect_hit
             self.reprefilled[engine_id] += missed
+            if self.thrash_bound is not None and self._fits(engine_id):
+                self._judge_thrashing(engine_id, rec.expect_hit, missed)
             rec.expect_hit = 0
+
+    # ---- thrashing: measured re-prefill corrects the model of an engine's KV --------------
+    def recent_reuse_loss(self, engine: int) -> float:
+        """Share of the modelled cache hits of ``engine``'s last returning turns (at most
+        ``thrash_window``) that it recomputed."""
+        win = self._reuse_window[engine]
+        exp = sum(x for x, _ in win)
+        return sum(m for _, m in win) / exp if exp else 0.0
+
+    def _fits(self, engine: int) -> bool:
+        """Does the model hold ``engine``'s live trajectories within its budget now? Only then
+        is a miss evidence that the engine keeps less than the model: past the budget the
+        model itself predicts misses (admission accepts them where tool calls hide the
+        recomputation)."""
+        return float(self._engine_curve(engine)[0][0]) <= self.budget(engine)
+
+    def _judge_thrashing(self, engine: int, expected: int, missed: int) -> None:
+        """One returning turn's measured reuse on ``engine``. Over a full window: more than
+        ``thrash_bound`` of what the model said was cached was recomputed -> the engine keeps
+        less than the model holds (other requests on it, a report that counts blocks its prefix
+        cache cannot keep, an LRU that is not quite LRU), so the model's KV of it shrinks by a
+        quarter (floor: a tenth of the report); almost nothing recomputed (under a quarter
+        of the bound) -> it grows back by 5%, up to the report. Shrinking evicts from the
+        block model (a returning trajectory there is no longer counted as cached, so it may
+        move) and lowers the admission budget (new trajectories go elsewhere or wait): the
+        dispatcher stops adding to a thrashing engine instead of feeding the LRU. The window
+        restarts after each change, so each verdict reads the engine as it now is."""
+        win = self._reuse_window[engine]
+        win.append((expected, missed))
+        if len(win) < self.thrash_window:
+            return
+        loss = self.recent_reuse_loss(engine)
+        scale = self.kv_scale[engine]
+        if loss > self.thrash_bound:
+            new = max(scale * 0.75, 0.1)
+        elif loss < self.thrash_bound / 4 and scale < 1.0:
+            new = min(scale * 1.05, 1.0)
+        else:
+            return
+        if new != scale:
+            if new < scale:
+                self.thrash_verdicts += 1
+            self.kv_scale[engine] = new
+            self._set_capacity(engine)
+        win.clear()
+
+    def _set_capacity(self, engine: int) -> None:
+        """The model's KV of ``engine``: its reported capacity x the share it measurably keeps
+        (the block model's bound and admission's budget)."""
+        rep = self.reported_capacity[engine]
+        cap = rep if rep >= _UNSET_CAPACITY else int(rep * self.kv_scale[engine])
+        self.capacity_tokens[engine] = cap
+        self.index.set_capacity(engine, cap // BLOCK_SIZE)
+        self._curves[engine] = None
+        # deferral_pays() keeps its verdict until the next batch: mid-batch the survival curve
+        # would come from the batch's short trajectories only (they finish first)
 
     def on_trajectory_finished(self, trajectory_id: str) -> None:
         # Its blocks stay in the engines' LRUs: vLLM keeps freed blocks as evictable cache.
@@ -597,6 +688,7 @@ class WarDispatchPolicy(DispatchPolicy):
         gap = self.tool_gap_s()
         return {"moves": float(self.moves), "deferrals": float(self.deferrals),
                 "reuse_loss": sum(self.reprefilled) / exp if exp else 0.0,
+                "kv_scale_min": min(self.kv_scale), "thrash_verdicts": float(self.thrash_verdicts),
                 "prefill_us_per_token": p * 1e6, "step_ms": s0 * 1e3,
                 "step_us_per_seq": s1 * 1e6, "tool_gap_s": gap if gap is not None else 0.0,
                 "growth_tokens_per_turn": self.growth_per_turn(),

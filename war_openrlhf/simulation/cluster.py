@@ -124,6 +124,11 @@ class SimConfig:
     # step on average (1: none) and each step verifies this many draft tokens per request.
     spec_tokens_per_step: float = 1.0
     spec_drafted_per_step: float = 0.0
+    # The engines report this multiple of the KV their prefix cache keeps (1: the truth). Above
+    # 1 models KV the reports do not show: another tenant's requests on the engines, blocks the
+    # report counts that the prefix cache cannot keep. Policies that read the capacity from the
+    # reports then overestimate it; the engines themselves evict by what they really have.
+    reported_kv_scale: float = 1.0
 
     def validate(self) -> CostModel:
         n = self.num_engines
@@ -145,6 +150,8 @@ class SimConfig:
             raise ValueError(f"spec_tokens_per_step must be >= 1, got {self.spec_tokens_per_step!r}")
         if not self.spec_drafted_per_step >= 0.0:
             raise ValueError(f"spec_drafted_per_step must be >= 0, got {self.spec_drafted_per_step!r}")
+        if not self.reported_kv_scale > 0.0:
+            raise ValueError(f"reported_kv_scale must be > 0, got {self.reported_kv_scale!r}")
         if not 0 <= self.delay_jitter < 1:
             raise ValueError(f"delay_jitter must be in [0, 1), got {self.delay_jitter!r}")
         if not isinstance(self.steps, int) or self.steps <= 0:
@@ -185,6 +192,8 @@ class SimResult:
     step_makespans_s: List[float] = field(default_factory=list)
     # Per synchronous step: the trajectory that finished last and where its time went.
     critical_paths: List[dict] = field(default_factory=list)
+    # what the policy measured or decided, as it reports to TensorBoard (DispatchPolicy.metrics)
+    policy_metrics: Dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -299,6 +308,8 @@ class ClusterSimulator:
         rng = np.random.default_rng(cfg.seed)
         engines = [SimEngine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step)
                    for i in range(int(cfg.num_engines))]
+        for eng in engines:
+            eng.reported_kv_tokens = int(eng.cap_blocks * eng.bs * cfg.reported_kv_scale)
         # Common random numbers: tool delay jitter is drawn per (trajectory, turn) up front, in
         # input order, so every policy (and any engine count) replays the same delays.
         jitter = {t.tid: 1.0 + cfg.delay_jitter * (2.0 * rng.random(t.turns) - 1.0)
@@ -323,7 +334,9 @@ class ClusterSimulator:
         measured_trajs = [t for step in step_lists[cfg.warmup_steps:] for t in step]
         busy = [e.busy_s - b for e, b in zip(engines, busy_measured)]
         evicted = int(sum(e.evicted for e in engines) - evicted_measured)
-        return self._result(getattr(pol, "name", type(pol).__name__), acc, measured_trajs, busy, evicted)
+        res = self._result(getattr(pol, "name", type(pol).__name__), acc, measured_trajs, busy, evicted)
+        res.policy_metrics = {k: float(v) for k, v in pol.metrics().items()}
+        return res
 
     def _policy(self, policy: Union[str, DispatchPolicy], policy_kwargs: dict) -> DispatchPolicy:
         E = int(self.config.num_engines)

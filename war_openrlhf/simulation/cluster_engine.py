@@ -62,6 +62,8 @@ class SimEngine:
         self.spec_drafted = spec_drafted
         self.bs = cost.block_size
         self.cap_blocks = cost.kv_capacity_tokens // self.bs
+        # what the engine tells the dispatcher its KV holds (SimConfig.reported_kv_scale)
+        self.reported_kv_tokens = self.cap_blocks * self.bs
         self.blocks: Dict[int, int] = {}  # hash -> refcount (0: cached, evictable)
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU first
         self.anon = 0  # pinned blocks without a (shareable) hash
@@ -293,6 +295,6 @@ class SimEngine:
     def state(self) -> EngineState:
         s0, s1, p = self.rates
         return EngineState(self.eid, len(self.running), len(self.waiting), self.queued_tokens,
-                           self.cap_blocks * self.bs, self.pending_turns, kv_block_size=self.bs,
+                           self.reported_kv_tokens, self.pending_turns, kv_block_size=self.bs,
                            step_s=s0, step_per_seq_s=s1, prefill_token_s=p,
                            kv_used_tokens=self.pinned_blocks() * self.bs)
