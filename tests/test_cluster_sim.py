@@ -387,3 +387,43 @@ def test_engines_can_report_more_kv_than_they_keep():
     assert rec.caps == {16384}
     assert misled.makespan_s == truthful.makespan_s  # the engines themselves are unchanged
     assert misled.policy_metrics == {}  # a policy without metrics reports none
+
+
+class _OneAtATime(DispatchPolicy):
+    """Admits one trajectory at a time (defers first turns while one is live); offers the
+    deferred ones by the number in their id when ``ordered``. Records the admission order."""
+    name = "one_at_a_time"
+
+    def __init__(self, n, ordered):
+        super().__init__(n)
+        self.orders_admission = ordered
+        self.live = set()
+        self.admitted = []
+
+    def choose(self, request, engines):
+        if request.turn_index == 0:
+            if self.live:
+                from war_openrlhf.dispatch import DEFER
+                return DEFER
+            self.live.add(request.trajectory_id)
+            self.admitted.append(request.trajectory_id)
+        return 0
+
+    def admission_priority(self, request):
+        return float(request.trajectory_id.split("t")[-1]) + 10 * int(request.group_id[1:])
+
+    def on_trajectory_finished(self, trajectory_id):
+        self.live.discard(trajectory_id)
+
+
+def test_deferred_first_turns_are_offered_in_the_policys_admission_order():
+    trajs = workload(groups=3, trials=2, turns=2)
+    ids = [t.trajectory_id for t in trajs]
+    fifo = _OneAtATime(2, ordered=False)
+    simulate(trajs, fifo, cfg())
+    assert fifo.admitted == ids  # arrival order
+    ordered = _OneAtATime(2, ordered=True)
+    simulate(trajs, ordered, cfg())
+    # the first arrives to an empty cluster; the rest by priority, highest first
+    rest = sorted(ids[1:], key=lambda t: -(float(t.split("t")[-1]) + 10 * int(t[1:t.index("t")])))
+    assert ordered.admitted == [ids[0]] + rest

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from war_openrlhf.dispatch.remaining_work import SiblingPredictor, SurvivalPrior, truncated_normal_mean
+from war_openrlhf.dispatch.remaining_work import SiblingPredictor, SiblingRecords, SurvivalPrior, truncated_normal_mean
 
 
 @settings(max_examples=80, deadline=None)
@@ -71,3 +71,22 @@ def test_with_group_effects_siblings_beat_the_survival_curve():
     assert np.mean(err_s) < 0.92 * np.mean(err_p)
     assert SurvivalPrior([2, 4, 6]).remaining(3) == pytest.approx(2.0)  # alive after 3: 4 or 6 -> mean 5
     assert SurvivalPrior([2]).remaining(9) == 1.0
+
+
+def test_sibling_records_predict_from_the_groups_of_this_step_and_the_fit_of_earlier_ones():
+    rec = SiblingRecords()
+    assert rec.remaining("a0", "A", 0) is None  # nothing finished anywhere yet
+    rng = np.random.default_rng(3)
+    rec.seed(_groups(rng, 40, 4, var_b=16.0, var_w=1.0).values())
+    for g in ("long", "short"):
+        for i in range(4):
+            rec.running(f"{g}{i}", g, 0)
+    before = rec.remaining("long3", "long", 0)
+    assert before == pytest.approx(rec.remaining("short3", "short", 0))  # no sibling info yet
+    for i in range(3):  # three siblings of each group finished, far apart
+        rec.finished(f"long{i}", "long", 25)
+        rec.finished(f"short{i}", "short", 4)
+    assert rec.remaining("long3", "long", 0) > before > rec.remaining("short3", "short", 0)
+    # a new batch: this step's groups become fit data, the step's records start empty
+    rec.start_batch()
+    assert rec.remaining("long3", "long", 0) == pytest.approx(rec.remaining("x", "new", 0))

@@ -743,3 +743,42 @@ def test_new_trajectories_avoid_an_engine_found_thrashing():
 def test_thrashing_options_are_checked(kw, field):
     with pytest.raises(ValueError, match=field):
         make_policy("war", 2, **kw)
+
+
+# ---------------------------------------------------------------- admission order
+def test_longest_first_admission_ranks_deferred_trajectories_by_their_siblings():
+    """A step with two groups: group L's finished siblings ran 20 turns, group S's 3. With
+    admission_order longest_first the remaining member of L is offered before S's; fifo
+    ranks all equal (arrival order)."""
+    def policy(order):
+        pol = make_policy("war", 2, admission_order=order)
+        sts = states([0, 0], rates=RATES)
+        pol.start_batch()
+        for b in range(3):  # earlier steps: groups of 4 with different lengths (the fit)
+            for g, n in (("x", 6), ("y", 14), ("z", 9)):
+                for i in range(4):
+                    tid = f"{g}{b}-{i}"
+                    pol.choose(req(tid, np.arange(50) + 1000 * i, group=f"{g}{b}"), sts)
+                    rec = pol._live[tid]
+                    rec.turns = n + (i % 2)
+                    pol.on_trajectory_finished(tid)
+            pol.start_batch()
+        for g, n in (("L", 20), ("S", 3)):
+            for i in range(4):
+                tid = f"{g}{i}"
+                pol.choose(req(tid, np.arange(50) + 5000 * i, group=g), sts)
+                if i < 3:
+                    pol._live[tid].turns = n
+                    pol.on_trajectory_finished(tid)
+        return pol
+
+    lf = policy("longest_first")
+    assert lf.orders_admission
+    long_p = lf.admission_priority(req("L3", np.arange(50), group="L"))
+    short_p = lf.admission_priority(req("S3", np.arange(50), group="S"))
+    assert long_p > short_p > 0
+    fifo = policy("fifo")
+    assert not fifo.orders_admission
+    assert fifo.admission_priority(req("L3", np.arange(50), group="L")) == 0.0
+    with pytest.raises(ValueError, match="admission_order"):
+        make_policy("war", 2, admission_order="shortest_first")

@@ -158,6 +158,7 @@ def plot(d: dict, path: str) -> None:
     ax.set_title(f"tau {w['split']}, {w['engines']} engines, pressure {w['pressure']:g}, fast tools")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

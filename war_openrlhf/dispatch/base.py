@@ -145,6 +145,15 @@ class DispatchPolicy(abc.ABC):
         Raises ValueError (NoHealthyEngineError) if no engine is healthy.
         """
 
+    #: whether :meth:`admission_priority` orders deferred first turns (False: arrival order)
+    orders_admission: bool = False
+
+    def admission_priority(self, request: TurnRequest) -> float:
+        """Among first turns this policy deferred (:data:`DEFER`), the higher is offered again
+        first; equal ones in arrival order. 0 for all (arrival order) unless a policy orders
+        admission."""
+        return 0.0
+
     def on_turn_finished(self, request: TurnRequest, engine_id: int,
                          response_token_ids: np.ndarray) -> None:
         """The turn ran on ``engine_id`` and produced ``response_token_ids``."""

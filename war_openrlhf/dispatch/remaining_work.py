@@ -23,11 +23,12 @@ error on the validation tasks).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Sequence
+from collections import deque
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["SurvivalPrior", "SiblingPredictor", "truncated_normal_mean"]
+__all__ = ["SurvivalPrior", "SiblingPredictor", "SiblingRecords", "truncated_normal_mean"]
 
 
 def truncated_normal_mean(mu: float, sd: float, lower: float) -> float:
@@ -103,3 +104,58 @@ class SiblingPredictor:
         mu, post_var = self.group_mean(k, finished, running)
         total = truncated_normal_mean(mu, math.sqrt(self.var_w + post_var), k + 0.5)
         return max(total - k, 1.0)
+
+
+class SiblingRecords:
+    """A step's GRPO groups as they run (alive members and their turns, finished members'
+    totals) and the predictors fitted on earlier steps' finished groups: what longest-first
+    turn priorities and longest-first admission ask, a trajectory's predicted remaining turns.
+
+    The predictors are refitted at :meth:`start_batch` from the last ``history_groups``
+    finished groups; before two such groups only the survival curve answers, before any
+    finished trajectory nothing does (``None``)."""
+
+    def __init__(self, history_groups: int = 512) -> None:
+        self._alive: Dict[str, Dict[str, int]] = {}  # group -> alive trajectory -> turns done
+        self._finished: Dict[str, List[int]] = {}  # group -> finished members' turn counts
+        self._history: deque = deque(maxlen=history_groups)  # finished groups (fit data)
+        self._sib: Optional[SiblingPredictor] = None
+        self._prior: Optional[SurvivalPrior] = None
+
+    def start_batch(self) -> None:
+        """A new batch: the last batch's groups become fit data, the predictors are refitted."""
+        self._history.extend(self._finished.values())
+        self._alive.clear()
+        self._finished.clear()
+        groups = {str(i): g for i, g in enumerate(self._history) if len(g) >= 2}
+        totals = [t for g in self._history for t in g]
+        self._prior = SurvivalPrior(totals) if totals else None
+        try:
+            self._sib = SiblingPredictor.fit(groups) if len(groups) >= 2 else None
+        except ValueError:
+            self._sib = None
+
+    def seed(self, groups: Iterable[Sequence[int]]) -> None:
+        """Fit data from elsewhere (each item: one finished group's turn counts); refits."""
+        for g in groups:
+            self._history.append([int(t) for t in g])
+        self.start_batch()
+
+    def running(self, trajectory_id: str, group_id: str, turns_done: int) -> None:
+        """The trajectory is alive with ``turns_done`` turns finished (or waits to start: 0)."""
+        self._alive.setdefault(group_id, {})[trajectory_id] = int(turns_done)
+
+    def remaining(self, trajectory_id: str, group_id: str, turns_done: int) -> Optional[float]:
+        """Its expected remaining turns, this one included (None: nothing to predict from)."""
+        members = self._alive.get(group_id, {})
+        others = len(members) - (1 if trajectory_id in members else 0)
+        if self._sib is not None:
+            return self._sib.remaining(turns_done, self._finished.get(group_id, ()), others)
+        if self._prior is not None:
+            return self._prior.remaining(turns_done)
+        return None
+
+    def finished(self, trajectory_id: str, group_id: str, turns: int) -> None:
+        """A trajectory ended after ``turns`` model turns."""
+        self._alive.get(group_id, {}).pop(trajectory_id, None)
+        self._finished.setdefault(group_id, []).append(int(turns))

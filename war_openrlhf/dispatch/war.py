@@ -64,6 +64,11 @@ rates and trajectories per step, says waves finish sooner (with slow tools they 
 It never defers a later turn or when no trajectory is live; the caller offers a deferred
 turn again when a turn finishes.
 
+Admission order (``admission_order``): deferred first turns are offered again in arrival order
+(``fifo``) or longest-predicted first (``longest_first``: each one's expected turns from its GRPO
+siblings' finished totals and running count, fitted on earlier steps' groups, Seer's
+sibling-informed longest first): the step's likely straggler starts before the short ones.
+
 Thrashing, measured (``thrash_bound``): every returning turn says how much of what the model
 said its engine held was recomputed (``observe_turn``'s cached tokens). Counted only while the
 model holds the engine's live trajectories within its budget (past it the model predicts the
@@ -83,7 +88,7 @@ A weight sync (``on_prefix_cache_reset``) empties the model; the measurements st
 
 Options: ``kv_capacity_tokens`` (per engine, int or sequence; ``None`` takes it from the
 engine snapshots and follows it when it changes), ``admission`` (``False``: never defer),
-``thrash_bound`` and ``thrash_window``.
+``admission_order``, ``thrash_bound`` and ``thrash_window``.
 """
 
 from __future__ import annotations
@@ -97,7 +102,10 @@ import numpy as np
 
 from .base import DEFER, DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
+from .remaining_work import SiblingRecords
 from .turn_costs import PRIOR_RATES, TurnCosts
+
+ADMISSION_ORDERS = ("fifo", "longest_first")
 
 _UNSET_CAPACITY = 1 << 62
 # the cold prior's ratios to a decode step (turn_costs.py): used where a fit says 0
@@ -134,6 +142,9 @@ class WarOptions(PolicyOptions):
                 "(null, the default: never; 0.3 is the value benchmarked)"})
     thrash_window: int = field(default=16, metadata={
         "help": "returning turns per engine behind each thrashing verdict"})
+    admission_order: str = field(default="fifo", metadata={
+        "help": "order in which deferred new trajectories are offered again: fifo (arrival) or "
+                "longest_first (most predicted turns, from GRPO siblings, first)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.admission, bool):
@@ -143,6 +154,9 @@ class WarOptions(PolicyOptions):
         if isinstance(self.thrash_window, bool) or not isinstance(self.thrash_window, int) \
                 or self.thrash_window < 1:
             raise ValueError(f"thrash_window must be an int >= 1, got {self.thrash_window!r}")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, "
+                             f"got {self.admission_order!r}")
         caps = self.kv_capacity_tokens
         if caps is None:
             return
@@ -164,14 +178,18 @@ class WarDispatchPolicy(DispatchPolicy):
     def __init__(self, num_engines: int, *,
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
                  admission: bool = True, thrash_bound: Optional[float] = None,
-                 thrash_window: int = 16) -> None:
+                 thrash_window: int = 16, admission_order: str = "fifo") -> None:
         super().__init__(num_engines)
         options = WarOptions(kv_capacity_tokens=kv_capacity_tokens, admission=admission,
-                             thrash_bound=thrash_bound, thrash_window=thrash_window)
+                             thrash_bound=thrash_bound, thrash_window=thrash_window,
+                             admission_order=admission_order)
         options.check_engines(num_engines)
         self.admission = admission
         self.thrash_bound = thrash_bound
         self.thrash_window = thrash_window
+        self.admission_order = admission_order
+        self.siblings = SiblingRecords()      # GRPO groups of this step (longest-first admission)
+        self._group_of: Dict[str, str] = {}   # trajectory -> group, until it finishes
         if kv_capacity_tokens is None:
             caps = [_UNSET_CAPACITY] * num_engines
             self._caps_from_snapshot = True
@@ -396,6 +414,9 @@ class WarDispatchPolicy(DispatchPolicy):
         rec = self._live.get(tid)
         if is_new:
             traj = TrajectoryChain()
+            if tid not in self._group_of:  # alive from its first offer, deferred or not
+                self._group_of[tid] = request.group_id
+                self.siblings.running(tid, request.group_id, 0)
         cur = traj.engine
         ctx = request.context_token_ids
         traj.sync(ctx)
@@ -662,13 +683,31 @@ class WarDispatchPolicy(DispatchPolicy):
         # Its blocks stay in the engines' LRUs: vLLM keeps freed blocks as evictable cache.
         self.trajectories.pop(trajectory_id, None)
         rec = self._live.pop(trajectory_id, None)
+        group = self._group_of.pop(trajectory_id, None)
         if rec is not None:
             self.live[rec.engine] -= 1
             self._finished_turns.append(rec.turns)
             self._surv = self._remaining = None
             self._curves = [None] * self.num_engines
+            if group is not None:
+                self.siblings.finished(trajectory_id, group, rec.turns)
+
+    @property
+    def orders_admission(self) -> bool:
+        return self.admission_order != "fifo"
+
+    def admission_priority(self, request: TurnRequest) -> float:
+        """``longest_first``: a deferred new trajectory's predicted turns (its GRPO siblings'
+        finished totals and running count, the earlier steps' fit; Seer's sibling-informed
+        longest first), so that the step's likely straggler starts first; ``fifo``: 0."""
+        if self.admission_order == "fifo":
+            return 0.0
+        rem = self.siblings.remaining(request.trajectory_id, request.group_id, 0)
+        return 0.0 if rem is None else float(rem)
 
     def start_batch(self) -> None:
+        self.siblings.start_batch()
+        self._group_of.clear()
         if self._started_batch:
             self._started_prev = self._started_batch
         self._started_batch = 0

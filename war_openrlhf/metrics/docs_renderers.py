@@ -634,3 +634,57 @@ def longest_first_target(d: dict) -> str:
         lines.append(f"`war_longest_first` / `war`: {cfg['war']['step_s'] / cfg['war_longest_first']['step_s']:.2f}x "
                      "(medians of step time).")
     return "\n".join(lines) + "\n"
+
+
+# ---- KV thrashing under misreported KV (tools/bench_thrashing.py, simulated) ---------------
+@renderer("thrashing")
+def thrashing(d: dict) -> str:
+    rows = []
+    for scale, cfgs in d["summary"].items():
+        for name, r in cfgs.items():
+            m = r["makespan_s"]
+            rows.append([f"{scale}x", f"`{name}`", f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})",
+                         f"{r['x_sticky']:.2f}", f"{r['hit_rate']['median']:.3f}",
+                         f"{r['evicted_blocks']['median']:,.0f}",
+                         f"{r['kv_scale_min']['median']:.2f}" if "kv_scale_min" in r else "-",
+                         f"{r['thrash_verdicts']['median']:.0f}" if "thrash_verdicts" in r else "-"])
+    return md_table(["reported KV / real", "config", "step s (min-max)", "x sticky", "prefix hit",
+                     "evicted blocks", "smallest modelled KV share", "verdicts"],
+                    ["r", "l", "r", "r", "r", "r", "r", "r"], rows)
+
+
+@renderer("thrashing_reading")
+def thrashing_reading(d: dict) -> str:
+    """What the table says, computed from it: the routers' hit rate, war's with true and
+    misreported KV, and what the verdict gains or costs in each."""
+    w = d["workload"]
+    s = d["summary"]
+    parts = [f"Regime: tau {w['split']} half, {w['engines']} engines x {w['trajectories'] // w['engines']} "
+             f"trajectories, KV pressure {w['pressure']:g} ({w['kv_capacity_tokens_per_engine']:,} tokens per "
+             f"engine), fast tools, {len(d['seeds'])} tool-delay seeds, preset `{d['preset']}`."]
+    truth = s.get("1")
+    if truth:
+        routers = [n for n in ("sticky", "verl_kv_aware", "dynamo_kv") if n in truth]
+        hits = [truth[n]["hit_rate"]["median"] for n in routers]
+        parts.append(f"With true reports the cache-pinning routers keep a prefix hit rate of "
+                     f"{min(hits):.2f}-{max(hits):.2f}: their saturated engines evict parked trajectories "
+                     f"before they return; war's admission holds {truth['war']['hit_rate']['median']:.2f} "
+                     f"and a step {truth['war']['x_sticky']:.2f}x sticky's.")
+    for scale, r in s.items():
+        if scale == "1" or "war_thrash_verdict" not in r:
+            continue
+        war, ver = r["war"], r["war_thrash_verdict"]
+        gain = war["makespan_s"]["median"] / ver["makespan_s"]["median"]
+        parts.append(f"Engines reporting {scale}x the KV they keep: war trusts the reports and falls to "
+                     f"{war['x_sticky']:.2f}x sticky (hit {war['hit_rate']['median']:.2f}); with the verdict "
+                     f"its smallest modelled KV share reaches {ver['kv_scale_min']['median']:.2f} (the truth: "
+                     f"{1 / float(scale):.2f}) and its step is {gain:.2f}x war's without it"
+                     + (f", {ver['makespan_s']['median']:.1f} s against {truth['war']['makespan_s']['median']:.1f} s "
+                        "with true reports." if truth else "."))
+    if truth and "war_thrash_verdict" in truth:
+        cost = truth["war"]["makespan_s"]["median"] / truth["war_thrash_verdict"]["makespan_s"]["median"]
+        parts.append(f"With true reports the verdict's step is {cost:.2f}x war's "
+                     f"({truth['war_thrash_verdict']['thrash_verdicts']['median']:.0f} verdicts on windows "
+                     "that were noisy, not thrashing), which is why it is off by default "
+                     "(`thrash_bound: null`); turn it on where the engines' KV is shared with other work.")
+    return " ".join(parts)

@@ -12,58 +12,36 @@ engines started with ``scheduling_policy: priority``. Rollout setting ``turn_pri
 
 from __future__ import annotations
 
-from collections import deque
-
-from ..dispatch.remaining_work import SiblingPredictor, SurvivalPrior
+from ..dispatch.remaining_work import SiblingRecords
 
 __all__ = ["TurnPriorities"]
 
 
 class TurnPriorities:
-    """The pool's record of trajectories per GRPO group and the priority of their next turn."""
+    """The vLLM priority of each trajectory's next turn, from the pool's sibling records."""
 
     def __init__(self, history_groups: int = 512) -> None:
-        self._alive: dict[str, dict[str, int]] = {}  # group -> alive trajectory -> turns done
-        self._finished: dict[str, list[int]] = {}  # group -> finished members' turn counts
-        self._history: deque[list[int]] = deque(maxlen=history_groups)  # finished groups (fit data)
-        self._sib: SiblingPredictor | None = None
-        self._prior: SurvivalPrior | None = None
+        self.records = SiblingRecords(history_groups)
         self.predictions = 0
 
     def start_batch(self) -> None:
         """A new batch: the last batch's groups become fit data, the predictors are refitted."""
-        self._history.extend(self._finished.values())
-        self._alive.clear()
-        self._finished.clear()
-        groups = {str(i): g for i, g in enumerate(self._history) if len(g) >= 2}
-        totals = [t for g in self._history for t in g]
-        self._prior = SurvivalPrior(totals) if totals else None
-        try:
-            self._sib = SiblingPredictor.fit(groups) if len(groups) >= 2 else None
-        except ValueError:
-            self._sib = None
+        self.records.start_batch()
 
     def seed(self, groups) -> None:
         """Fit data from elsewhere (each item: one finished group's turn counts), e.g. the tasks
         of a recorded trace a benchmark does not replay; refits the predictors."""
-        for g in groups:
-            self._history.append([int(t) for t in g])
-        self.start_batch()
+        self.records.seed(groups)
 
     def priority(self, trajectory_id: str, group_id: str, turn_index: int) -> int:
         """The vLLM priority of this trajectory's turn ``turn_index`` (0: no prediction yet)."""
-        members = self._alive.setdefault(group_id, {})
-        members[trajectory_id] = turn_index
-        if self._sib is not None:
-            remaining = self._sib.remaining(turn_index, self._finished.get(group_id, ()), len(members) - 1)
-        elif self._prior is not None:
-            remaining = self._prior.remaining(turn_index)
-        else:
+        self.records.running(trajectory_id, group_id, turn_index)
+        remaining = self.records.remaining(trajectory_id, group_id, turn_index)
+        if remaining is None:
             return 0
         self.predictions += 1
         return -int(round(10.0 * remaining))
 
     def finished(self, trajectory_id: str, group_id: str, turns: int) -> None:
         """A trajectory ended after ``turns`` model turns."""
-        self._alive.get(group_id, {}).pop(trajectory_id, None)
-        self._finished.setdefault(group_id, []).append(int(turns))
+        self.records.finished(trajectory_id, group_id, turns)

@@ -43,7 +43,9 @@ class TurnRouter:
         self.on_newer_weights: Any = None  # called with a version a turn reports above the pool's
         self.before_dispatch: Any = None  # awaited before each dispatch (the pool installs recovered engines)
         self._parked: dict[str, int] = {}
-        self._turn_done: asyncio.Condition | None = None
+        # first turns the policy deferred: (arrival number, request, future set when room may exist)
+        self._deferred: list[tuple[int, TurnRequest, asyncio.Future]] = []
+        self._deferred_seq = 0
         self._kv_translators: dict[int, KvEventTranslator] = {}  # engine -> its events' block hashes
         self.tokens_generated = 0
         self.kv_event_errors = 0
@@ -58,7 +60,7 @@ class TurnRouter:
 
     def start_batch(self) -> None:
         """A new event loop runs the batch: its condition, and the policy's per-batch state."""
-        self._turn_done = asyncio.Condition()
+        self._deferred = []
         self.policy.start_batch()
         if self.priorities is not None:
             self.priorities.start_batch()
@@ -82,9 +84,18 @@ class TurnRouter:
             self.engines[engine].parked -= 1
 
     async def notify(self) -> None:
-        """A turn or trajectory finished: deferred turns may find room now."""
-        async with self._turn_done:
-            self._turn_done.notify_all()
+        """A turn or trajectory finished: deferred turns may find room now. They try again in
+        the policy's admission order (highest ``admission_priority`` first, then arrival),
+        each choosing before the next, so the first offered gets the room."""
+        if not self._deferred:
+            return
+        waiting, self._deferred = self._deferred, []
+        if self.policy.orders_admission:
+            prio = self.policy.admission_priority
+            waiting.sort(key=lambda w: (-prio(w[1]), w[0]))
+        for _, _, fut in waiting:  # resumed in this order (the loop runs callbacks FIFO)
+            if not fut.done():
+                fut.set_result(None)
 
     async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
                             sampling_params: dict[str, Any], turn_index: int, tokens_so_far: int) -> TurnResult:
@@ -102,8 +113,10 @@ class TurnRouter:
             if eid == DEFER:
                 self.deferrals += 1
                 waited = time.perf_counter()
-                async with self._turn_done:
-                    await self._turn_done.wait()
+                room = asyncio.get_running_loop().create_future()
+                self._deferred.append((self._deferred_seq, request, room))
+                self._deferred_seq += 1
+                await room
                 self.deferred_wait_s += time.perf_counter() - waited
                 continue
             eng = self.engines[eid]

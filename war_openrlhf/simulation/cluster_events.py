@@ -4,6 +4,7 @@ synchronous steps of a run (the model: :mod:`.cluster`)."""
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from time import perf_counter
 from typing import TYPE_CHECKING, Dict, List, Sequence
@@ -40,7 +41,7 @@ class EventLoop:
         self.tokens_so_far: Dict[str, int] = {}
         # the step being run
         self.heap: List[tuple] = []
-        self.deferred: deque = deque()  # first turns the policy deferred (FIFO)
+        self.deferred: deque = deque()  # first turns the policy deferred, in arrival order
         self.t0 = 0.0
         self.measured = False
         self.live = 0
@@ -87,7 +88,7 @@ class EventLoop:
     def _arrive(self, traj: "_Traj", turn: int, now: float) -> None:
         if turn > 0:
             self.engines[self.last_engine[traj.tid]].pending_turns -= 1
-        if self.deferred and turn == 0:  # FIFO among first turns
+        if self.deferred and turn == 0:  # behind the deferred first turns (offered in admission order)
             self.deferred.append(traj)
         elif not self._dispatch(traj, turn, now):
             self.deferred.append(traj)
@@ -135,9 +136,23 @@ class EventLoop:
             dur = eng.plan_step(now)
             self._push(now + dur, _STEP, eng.eid, 0)
         while finished_any and self.deferred:
-            if not self._dispatch(self.deferred[0], 0, now):
+            head = self._next_deferred()
+            if not self._dispatch(head, 0, now):
                 break
-            self.deferred.popleft()
+            self.deferred.remove(head)
+
+    def _next_deferred(self) -> "_Traj":
+        """The deferred first turn offered next: the policy's highest ``admission_priority``,
+        then arrival (the pool's order, ``TurnRouter.notify``)."""
+        if not self.pol.orders_admission or len(self.deferred) == 1:
+            return self.deferred[0]
+        prio = self.pol.admission_priority
+        best, best_p = None, -math.inf
+        for t in self.deferred:  # arrival order: the first of equals wins
+            p = prio(TurnRequest(t.tid, t.gid, t.ctxs[0], 0, 0))
+            if p > best_p:
+                best, best_p = t, p
+        return best
 
     def _turn_done(self, eng: SimEngine, r: SimRequest, now: float) -> None:
         """The turn's last token came out at ``now``: tell the policy, schedule the next turn."""
