@@ -688,3 +688,46 @@ def thrashing_reading(d: dict) -> str:
                      "that were noisy, not thrashing), which is why it is off by default "
                      "(`thrash_bound: null`); turn it on where the engines' KV is shared with other work.")
     return " ".join(parts)
+
+
+# ---- admission order (tools/bench_admission_order.py, simulated) ----------------------------
+@renderer("admission_order")
+def admission_order(d: dict) -> str:
+    rows = []
+    for c in d["cells"]:
+        w = c["workload"]
+        for name, r in c["summary"].items():
+            m = r["makespan_s"]
+            rows.append([f"{w['pressure']:g}", w["tools"], f"`{name}`",
+                         f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})", f"{r['x_best_router']:.2f}",
+                         f"{r['tail10_share']['median']:.2f}", f"{r['last_admission_wait_s']['median']:.1f}",
+                         f"{r['deferrals']['median']:.0f}"])
+    return md_table(["KV pressure", "tools", "config", "step s (min-max)", "x best router", "tail 10% share",
+                     "last trajectory's admission wait s", "deferrals"],
+                    ["r", "l", "l", "r", "r", "r", "r", "r"], rows)
+
+
+@renderer("admission_order_reading")
+def admission_order_reading(d: dict) -> str:
+    """Where war deferred at all, what longest first changed (medians of the step and tail)."""
+    parts = []
+    w0 = d["cells"][0]["workload"]
+    parts.append(f"Regime: tau {w0['split']} half, {w0['engines']} engines x {w0['trajectories'] // w0['engines']} "
+                 f"trajectories, {len(d['seeds'])} tool-delay seeds, preset `{d['preset']}`.")
+    deferring = [c for c in d["cells"] if c["summary"]["war"]["deferrals"]["median"] > 0]
+    quiet = len(d["cells"]) - len(deferring)
+    if quiet:
+        parts.append(f"In {quiet} of {len(d['cells'])} cells war deferred nothing, so the order cannot matter "
+                     "(the rows are equal).")
+    for c in deferring:
+        w, s = c["workload"], c["summary"]
+        a, b = s["war"], s["war_longest_first"]
+        ratio = a["makespan_s"]["median"] / b["makespan_s"]["median"]
+        overlap = not (b["makespan_s"]["max"] < a["makespan_s"]["min"] or a["makespan_s"]["max"] < b["makespan_s"]["min"])
+        parts.append(f"At pressure {w['pressure']:g} with {w['tools']} tools war deferred; longest first's step is "
+                     f"{ratio:.2f}x fifo's ({'within' if overlap else 'outside'} the seeds' spread), its tail share "
+                     f"{b['tail10_share']['median']:.2f} against {a['tail10_share']['median']:.2f}, the last "
+                     f"trajectory's admission wait {b['last_admission_wait_s']['median']:.1f} s against "
+                     f"{a['last_admission_wait_s']['median']:.1f} s.")
+    parts.append("`admission_order` stays `fifo` by default: longest first has not shortened a step here.")
+    return " ".join(parts)
