@@ -523,3 +523,43 @@ def test_async_weight_sync_advances_the_version_from_the_engines(pool):
     assert {(s.war.get("index") or {}).get("policy_version") for s in stats} == {version}
     dumped = res.trajectories[0].to_dict()["turns"][0]["policy_versions"]
     assert tuple(dumped) == (version, version)
+
+
+def test_a_saved_pool_state_lets_a_new_pool_draft_at_its_first_batch(pool, tmp_path):
+    """A job that saved its pool state and restarts: the new pool's replicas hold the saved
+    index records before the first turn, so the same prompts draft from them at once; a cold
+    pool on the same engines drafts less. The dispatcher's measurements come back too; a
+    damaged state is refused naming the file, and leaves the pool as it was."""
+    from war_openrlhf.rollout.checkpoint import PoolStateError
+
+    prompts = [f"Recall code {i}: what follows?" for i in range(4)]
+    kw = dict(n_samples_per_prompt=1, temperature=0.0)
+    first = _sibling(pool, **kw)
+    first.run_batch(prompts, ["ok"] * len(prompts))
+    assert len(first.shipper.archive) >= 12  # 3 turns x 4 episodes reached the replicas and the archive
+    saved = first.save_state(tmp_path / "state")
+
+    def accepted(p):
+        before = asyncio.run(p.engine_stats())
+        p.run_batch(prompts, ["ok"] * len(prompts))
+        after = asyncio.run(p.engine_stats())
+        return sum(a.spec_accepted_tokens - b.spec_accepted_tokens for a, b in zip(after, before))
+
+    cold = _sibling(pool, **kw)
+    cold_accepted = accepted(cold)
+
+    resumed = _sibling(pool, **kw)
+    got = resumed.load_state(saved)
+    assert got["records"] == len(first.shipper.archive) and got["dispatch"] == "restored"
+    assert resumed.policy.metrics()["mean_turns"] == first.policy.metrics()["mean_turns"] == 3.0
+    warm_accepted = accepted(resumed)
+    assert warm_accepted > cold_accepted, (warm_accepted, cold_accepted)
+
+    # damaged or missing states: a clear error naming the file, nothing appended to the log
+    other = _sibling(pool, **kw)
+    (tmp_path / "state" / "index_records.npz").write_bytes(b"cut")
+    with pytest.raises(PoolStateError, match="index_records.npz"):
+        other.load_state(tmp_path / "state")
+    with pytest.raises(PoolStateError, match="state.json"):
+        other.load_state(tmp_path / "nothing")
+    assert other.log.last_seq == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,6 +245,106 @@ def test_rollouts_after_step_one_come_from_the_updated_weights(trained_run):
     _, ref1 = _hf_logprobs(w1, second)
     assert np.abs(got - ref1).max() < 0.1  # rollout 2: the weights after step 1 ...
     assert np.abs(got - ref0).max() > 0.5  # ... and not the initial ones
+
+
+def _prompts(path):
+    return {json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+
+
+def test_a_killed_run_resumes_with_its_rollout_state(tmp_path):
+    """As a crash happens: war-train with OpenRLHF's checkpoint every step and its resume flag is
+    SIGKILLed (its whole process group: driver, Ray, trainer, engines) once step 1 is
+    checkpointed and step 2's rollout is under way, then started again with the same command.
+    OpenRLHF resumes from step 1; WAR restores the rollout state saved with it (the index records,
+    in the new replicas at the first resumed step; the dispatcher's measurements). Step 2 is
+    redone, step 1 is not: no prompt of step 1 is rolled out again, its dump stays as it was."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from resume_check import _run
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    model = build_tiny_model(MODEL_DIR)
+    data = tmp_path / "train.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "arithmetic_calculator" / "dataset.py"),
+                    "--out", str(data), "--n", "8", "--seed", "4"], check=True, capture_output=True)
+    cfg = yaml.safe_load((ROOT / "configs" / "cpu_demo.yaml").read_text())
+    cfg["openrlhf"].update({"actor.model_name_or_path": str(model), "data.prompt_dataset": str(data),
+                            "data.max_samples": 4, "data.max_len": 512, "rollout.batch_size": 2,
+                            "rollout.n_samples_per_prompt": 2, "rollout.micro_batch_size": 2,
+                            "train.batch_size": 4, "train.micro_batch_size": 2,
+                            "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
+                            "ckpt.output_dir": str(tmp_path / "model"), "ckpt.save_steps": 1,
+                            "ckpt.load_enable": True})
+    cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 32, "progress": False,
+                       "dump_dir": str(tmp_path / "rollouts")})
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--config", str(tmp_path / "run.yaml")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    first = _run(cmd, env, tmp_path / "run1.log", kill_after_step=1, timeout_s=600, kill_delay_s=0.2)
+    log1 = (tmp_path / "run1.log").read_text(errors="replace")
+    # killed inside step 2 (a tiny model's step is a second: at least before its checkpoint)
+    assert first["killed_after_s"] is not None and "saved the rollout state of step 2" not in log1, log1[-3000:]
+    saved = re.findall(r"war-train: saved the rollout state of step 1 to \S+ \((\d+) index records\)", log1)
+    records = int(saved[0])
+    assert records > 0
+    step1_dump = (tmp_path / "rollouts" / "rollout_0001.jsonl").read_text()
+    dumps_before = len(list((tmp_path / "rollouts").glob("rollout_*.jsonl")))
+
+    second = _run(cmd, env, tmp_path / "run2.log", timeout_s=600)
+    log2 = (tmp_path / "run2.log").read_text(errors="replace")
+    assert second["returncode"] == 0, log2[-4000:]
+    assert f"war-train: resumed the rollout state of step 1 from {tmp_path / 'ckpt' / '_war' / 'global_step1'}: " \
+           f"{records} index records" in log2
+    assert "dispatcher measurements restored" in log2
+    assert "Global step 2:" in log2 and "Global step 1:" not in log2
+    dumps = sorted((tmp_path / "rollouts").glob("rollout_*.jsonl"))
+    assert dumps[0].read_text() == step1_dump and len(dumps) > dumps_before
+    redone = set().union(*(_prompts(p) for p in dumps[dumps_before:]))
+    assert redone and redone.isdisjoint(_prompts(dumps[0]))
+    if dumps_before == 2:  # step 2 had been rolled out before the kill: redone with its prompts
+        assert _prompts(dumps[1]) == _prompts(dumps[2])
+    # the replicas held the restored records at the resumed step (TensorBoard: the same logdir)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = {}
+    for f in tmp_path.joinpath("tb").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if "train/war/index_records" in acc.Tags()["scalars"]:
+            steps.update({e.step: e.value for e in acc.Scalars("train/war/index_records")})
+    assert steps.get(2, 0) > records, steps
+
+
+def test_a_missing_or_damaged_rollout_state_is_a_cold_start(tmp_path, capsys):
+    """resume_war_state: a checkpoint without WAR's state, or with a damaged one, resumes with
+    cold rollouts and says why; it never stops the job."""
+    from types import SimpleNamespace
+
+    from war_openrlhf.integrations.openrlhf import resume_war_state, save_war_state, war_state_dir
+    from war_openrlhf.rollout.checkpoint import PoolStateError
+
+    class Pool:
+        def __init__(self):
+            self.loaded = []
+
+        def load_state(self, path):
+            if not (path / "state.json").is_file():
+                raise PoolStateError(f"{path}: no state.json (not a saved pool state)")
+            raise PoolStateError(f"{path / 'state.json'}: unreadable (bad JSON)")
+
+        def save_state(self, path):
+            raise OSError("disk full")
+
+    ckpt = SimpleNamespace(path=str(tmp_path), max_num=2)
+    assert resume_war_state(Pool(), ckpt, 0) is None  # a fresh run: nothing to resume
+    assert resume_war_state(Pool(), ckpt, 4) is None
+    assert "resuming at step 4 with cold rollouts" in capsys.readouterr().out
+    war_state_dir(ckpt, 5).mkdir(parents=True)
+    (war_state_dir(ckpt, 5) / "state.json").write_text("{")
+    assert resume_war_state(Pool(), ckpt, 5) is None
+    assert "global_step5/state.json: unreadable" in capsys.readouterr().out
+    save_war_state(Pool(), ckpt, 6)  # a failed save is reported, not raised
+    assert "could not save the rollout state" in capsys.readouterr().out
+    assert not war_state_dir(ckpt, 6).exists()
 
 
 def test_async_trainer_runs_with_the_war_pool(tmp_path):

@@ -782,3 +782,43 @@ def test_longest_first_admission_ranks_deferred_trajectories_by_their_siblings()
     assert fifo.admission_priority(req("L3", np.arange(50), group="L")) == 0.0
     with pytest.raises(ValueError, match="admission_order"):
         make_policy("war", 2, admission_order="shortest_first")
+
+
+# ---------------------------------------------------------------- state across a resume
+def test_a_resumed_policy_decides_as_the_one_it_was_saved_from():
+    """state_dict -> JSON -> a new policy: the same measurements (rates, survival curve,
+    workload shape, KV shares, sibling groups), so the same admission decisions for the next
+    batch; the block model is not carried (the engines restart empty)."""
+    import json
+
+    pol, sts = _trained_policy(gap_s=0.01, **LONG)
+    pol.kv_scale[1] = 0.5
+    pol._set_capacity(1)
+    state = json.loads(json.dumps(pol.state_dict()))
+    new = make_policy("war", 2, kv_capacity_tokens=LONG["caps"])
+    new.load_state_dict(state)
+    for key in ("prefill_us_per_token", "step_ms", "step_us_per_seq", "tool_gap_s", "growth_tokens_per_turn",
+                "mean_turns", "kv_scale_min"):
+        assert new.metrics()[key] == pytest.approx(pol.metrics()[key]), key
+    assert [new.remaining_turns(k) for k in range(12)] == pytest.approx([pol.remaining_turns(k) for k in range(12)])
+    assert new.capacity_tokens == pol.capacity_tokens and new.index.cached_blocks(0) == 0
+    assert new.deferral_pays() == pol.deferral_pays()
+    got_old = [pol.choose(_new(i), sts) for i in range(16)]
+    got_new = [new.choose(_new(i), sts) for i in range(16)]
+    assert got_new == got_old and DEFER in got_new
+    # a cold policy decides differently (it has measured nothing: it admits until it knows)
+    cold = make_policy("war", 2, kv_capacity_tokens=LONG["caps"])
+    cold.start_batch()
+    assert [cold.choose(_new(i), sts) for i in range(16)] != got_old
+
+
+def test_the_survival_history_is_bounded_over_a_long_job():
+    pol = make_policy("war", 2)
+    sts = states([0, 0], rates=RATES)
+    cap = pol.SURVIVAL_HISTORY
+    for i in range(2 * cap + 10):
+        pol.choose(req(f"t{i}", np.arange(20) + 100 * (i % 7), group=f"g{i}"), sts)
+        pol._live[f"t{i}"].turns = 1 + i % 5
+        pol.on_trajectory_finished(f"t{i}")
+    assert cap <= len(pol._finished_turns) <= 2 * cap
+    assert pol._finished_turns[-1] == 1 + (2 * cap + 9) % 5

@@ -184,6 +184,14 @@ class DispatchPolicy(abc.ABC):
         engine's in-flight requests when it was dispatched. Policies that cost decisions in
         time fit their rates from these; the others ignore them."""
 
+    def state_dict(self) -> dict:
+        """What the policy measured that a resumed job should not measure again (JSON-able);
+        never its model of the engines' caches (they restart empty). Empty here."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what :meth:`state_dict` returned (a saved job's); nothing here."""
+
     def metrics(self) -> dict:
         """What the policy measured or decided, as scalars for TensorBoard (``war/dispatch_*``);
         empty for policies that keep nothing worth plotting."""

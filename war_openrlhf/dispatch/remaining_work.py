@@ -141,6 +141,16 @@ class SiblingRecords:
             self._history.append([int(t) for t in g])
         self.start_batch()
 
+    def state_dict(self) -> dict:
+        """The finished groups the predictors are fitted on (this step's included)."""
+        return {"history": [list(g) for g in self._history] + [list(g) for g in self._finished.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._history.clear()
+        self._finished.clear()
+        self._alive.clear()
+        self.seed(state.get("history", []))
+
     def running(self, trajectory_id: str, group_id: str, turns_done: int) -> None:
         """The trajectory is alive with ``turns_done`` turns finished (or waits to start: 0)."""
         self._alive.setdefault(group_id, {})[trajectory_id] = int(turns_done)

@@ -63,6 +63,20 @@ class TurnCosts:
         self.latency_sum += latency_s
         self._dirty = True
 
+    def state_dict(self) -> dict:
+        return {"xtx": self._xtx.tolist(), "xty": self._xty.tolist(), "n": self.n,
+                "rates": [self.prefill_s, self.step_s, self.step_per_seq_s],
+                "response_sum": self.response_sum, "latency_sum": self.latency_sum}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._xtx = np.asarray(state["xtx"], dtype=np.float64).reshape(3, 3)
+        self._xty = np.asarray(state["xty"], dtype=np.float64).reshape(3)
+        self.n = int(state["n"])
+        self.prefill_s, self.step_s, self.step_per_seq_s = (float(v) for v in state["rates"])
+        self.response_sum = state["response_sum"]
+        self.latency_sum = float(state["latency_sum"])
+        self._dirty = False
+
     @property
     def mean_response(self) -> float:
         """Mean response tokens of the observed turns (128 before any: a short tool call)."""

@@ -687,6 +687,8 @@ class WarDispatchPolicy(DispatchPolicy):
         if rec is not None:
             self.live[rec.engine] -= 1
             self._finished_turns.append(rec.turns)
+            if len(self._finished_turns) > 2 * self.SURVIVAL_HISTORY:  # bounded over a long job
+                del self._finished_turns[:-self.SURVIVAL_HISTORY]
             self._surv = self._remaining = None
             self._curves = [None] * self.num_engines
             if group is not None:
@@ -718,6 +720,39 @@ class WarDispatchPolicy(DispatchPolicy):
         self.index = BlockHashIndex(self.num_engines, list(self.index.capacity_blocks))
         for traj in self.trajectories.values():
             traj.hint = {}
+
+    #: finished trajectories' turn counts kept for the survival curve (the most recent)
+    SURVIVAL_HISTORY = 4096
+
+    def state_dict(self) -> dict:
+        """The measurements (rates, survival curve, workload shape, KV shares, sibling groups);
+        not the block model of the engines' caches, which restart empty."""
+        return {"costs": self.costs.state_dict(),
+                "engine_rates": list(self._engine_rates) if self._engine_rates is not None else None,
+                "finished_turns": list(self._finished_turns),
+                "growth": [self._growth_sum, self._growth_count], "gap": [self._gap_sum, self._gap_count],
+                "admitted": [self._x0_sum, self._shared0_sum, self._x0_count],
+                "started_prev": self._started_prev or self._started_batch,
+                "kv_scale": list(self.kv_scale), "siblings": self.siblings.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.costs.load_state_dict(state["costs"])
+        rates = state.get("engine_rates")
+        self._engine_rates = tuple(float(x) for x in rates) if rates else None
+        self._finished_turns = [int(t) for t in state["finished_turns"]][-self.SURVIVAL_HISTORY:]
+        self._surv = self._remaining = None
+        self._growth_sum, self._growth_count = state["growth"]
+        self._gap_sum, self._gap_count = state["gap"]
+        self._x0_sum, self._shared0_sum, self._x0_count = state["admitted"]
+        self._started_prev = int(state["started_prev"])
+        scales = state.get("kv_scale") or []
+        if len(scales) == self.num_engines:  # a job resumed on another engine count starts them at 1
+            self.kv_scale = [float(x) for x in scales]
+            for e in range(self.num_engines):
+                self._set_capacity(e)
+        self.siblings.load_state_dict(state.get("siblings", {}))
+        self._defer_cache = None
+        self._curves = [None] * self.num_engines
 
     def metrics(self) -> dict:
         """The measurements behind the decisions (cumulative): moves, deferrals, the share of

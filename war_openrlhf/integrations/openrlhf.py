@@ -44,7 +44,8 @@ from ..training.weight_sync_hook import after_weight_sync
 
 __all__ = ["SUPPORTED_OPENRLHF", "SUPPORTED_VLLM", "OPENRLHF_OWNED", "check_openrlhf_version", "check_vllm_version",
            "refuse_openrlhf_owned", "war_settings", "merge_openrlhf_args", "engine_settings", "parse_openrlhf_args",
-           "war_engine_factory", "war_trainer_class", "install", "applied_patches", "run_train_ppo_ray"]
+           "war_engine_factory", "war_trainer_class", "install", "applied_patches", "run_train_ppo_ray",
+           "war_state_dir", "save_war_state", "resume_war_state"]
 
 from ..versions import SUPPORTED_OPENRLHF, SUPPORTED_VLLM, check_openrlhf_version, check_vllm_version  # noqa: E402
 
@@ -302,6 +303,17 @@ def _sync_trainer_cls(config: RolloutConfig):
             # prefix caches dropped, engines' weight version advanced (the one hook of both trainers)
             self.samples_generator.pool.advance_policy_version(after_weight_sync(self.vllm_engines))
 
+        def init_checkpoint_states(self) -> dict:
+            """OpenRLHF's resume point; the pool's state saved with that checkpoint comes back too."""
+            states = super().init_checkpoint_states()
+            resume_war_state(self.samples_generator.pool, self.args.ckpt, int(states.get("global_step", 0)))
+            return states
+
+        def save_logs_and_checkpoints(self, global_step: int, logs_dict=None, client_states=None) -> None:
+            super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+            if global_step % self.args.ckpt.save_steps == 0:  # OpenRLHF's own rule (inf: never)
+                save_war_state(self.samples_generator.pool, self.args.ckpt, global_step)
+
     return WarPPOTrainer
 
 
@@ -479,3 +491,53 @@ def run_train_ppo_ray(settings: RolloutConfig, args: Any) -> None:
 
         patch_hub()
     module.train(args)
+
+
+# ------------------------------------------------------------------ checkpoints
+def war_state_dir(ckpt: Any, global_step: int):
+    """Where the pool's state of OpenRLHF's checkpoint ``global_step{N}`` lives: beside the
+    actor's (``<ckpt.path>/_actor``), in ``<ckpt.path>/_war/global_step{N}``."""
+    from pathlib import Path
+
+    return Path(ckpt.path) / "_war" / f"global_step{global_step}"
+
+
+def save_war_state(pool: Any, ckpt: Any, global_step: int) -> None:
+    """Save the pool's state with OpenRLHF's checkpoint of ``global_step`` and keep as many
+    as OpenRLHF keeps (``ckpt.max_num``). A failure is reported, never fatal: the model's
+    checkpoint is already written, and a resumed job can start its rollouts cold."""
+    import shutil
+
+    path = war_state_dir(ckpt, global_step)
+    try:
+        pool.save_state(path)
+    except Exception as exc:  # noqa: BLE001 - the training checkpoint matters more
+        print(f"war-train: could not save the rollout state to {path} ({type(exc).__name__}: {exc}); "
+              "a resume from this checkpoint starts its rollouts cold", flush=True)
+        return
+    print(f"war-train: saved the rollout state of step {global_step} to {path} "
+          f"({len(pool.shipper.archive)} index records)", flush=True)
+    keep = int(getattr(ckpt, "max_num", 0) or 0)
+    if keep > 0:
+        saved = sorted((p for p in path.parent.glob("global_step*") if p.is_dir() and p.name[11:].isdigit()),
+                       key=lambda p: int(p.name[11:]))
+        for old in saved[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_war_state(pool: Any, ckpt: Any, global_step: int) -> dict | None:
+    """On a resume from OpenRLHF's checkpoint ``global_step`` (> 0), restore the pool's state
+    saved with it; a missing or unreadable one is a cold start with the reason printed."""
+    if global_step <= 0:
+        return None
+    from ..rollout.checkpoint import PoolStateError
+
+    path = war_state_dir(ckpt, global_step)
+    try:
+        got = pool.load_state(path)
+    except PoolStateError as exc:
+        print(f"war-train: resuming at step {global_step} with cold rollouts: {exc}", flush=True)
+        return None
+    print(f"war-train: resumed the rollout state of step {global_step} from {path}: {got['records']} index records "
+          f"({got['record_tokens']} tokens), dispatcher measurements {got['dispatch']}", flush=True)
+    return got

@@ -29,6 +29,7 @@ from ..engine.wire import tokens_from_wire
 from ..speculation import CompletedSequence, CompletedSequenceLog, InflightChunk
 from .config import RolloutConfig
 from .engine_client import EngineClient, EngineDead
+from .record_archive import RecordArchive
 
 __all__ = ["LogShipper"]
 
@@ -49,6 +50,9 @@ class LogShipper:
         self.inflight = bool(config.engine.index.inflight_sharing)
         self.inflight_chunks = 0
         self.log = CompletedSequenceLog()
+        # what the replicas hold, for a checkpoint (engines without a replica: nothing to keep)
+        self.archive = RecordArchive(config.engine.index)
+        self._archiving = config.engine.drafting.has_war_index
         self._wire: dict[int, dict[str, Any]] = {}  # seq -> wire form, until every live replica has it
         self.errors = 0  # background sync failures (logged)
 
@@ -60,10 +64,14 @@ class LogShipper:
                response: np.ndarray) -> None:
         """One finished turn: appended to the log with only what a replica keeps."""
         lead = context[-self.lead_in:] if self.lead_in else context[:0]
-        self.log.append(CompletedSequence.create(trajectory_id, group_id, policy_version, lead, response))
+        record = CompletedSequence.create(trajectory_id, group_id, policy_version, lead, response)
+        self.log.append(record)
+        if self._archiving:
+            self.archive.add(record)
 
     def advance_policy_version(self, version: int) -> None:
         self.log.advance_policy_version(version)
+        self.archive.advance_policy_version(version)
 
     def _wire_after(self, seq: int) -> list[dict[str, Any]]:
         """The log's entries after ``seq`` in wire form (each entry encoded once)."""

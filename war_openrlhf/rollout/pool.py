@@ -134,6 +134,7 @@ class RolloutPool:
         self.router.on_newer_weights = self.advance_policy_version
         self.router.before_dispatch = self._install_recovered
         self._batch_index = 0
+        self._restored = False  # a saved state's index records wait to be flushed to the replicas
         self._episode_retries = 0
         self._stats_errors = 0
 
@@ -202,6 +203,20 @@ class RolloutPool:
         # a weight sync resets the engines' prefix caches: the dispatcher's model of them goes too
         self.policy.on_prefix_cache_reset()
         return version
+
+    def save_state(self, directory) -> Any:
+        """The pool's state beside a training checkpoint (:mod:`.checkpoint`)."""
+        from .checkpoint import save_pool_state
+
+        return save_pool_state(self, directory)
+
+    def load_state(self, directory) -> dict[str, Any]:
+        """Restore a saved state before the first batch (:mod:`.checkpoint`)."""
+        from .checkpoint import load_pool_state
+
+        got = load_pool_state(self, directory)
+        self._restored = True
+        return got
 
     async def _install_recovered(self) -> None:
         """Put engines the supervisor brought back into service (on the pool's loop): after a
@@ -275,6 +290,9 @@ class RolloutPool:
         recovered0 = self.supervisor.recovered_total
         await self._install_recovered()
         await self.shipper.attach_all(await self.engine_stats())  # the stats also give the dispatcher KV capacities
+        if self._restored:  # a resumed job's index records: in every replica before the first turn
+            await self.shipper.sync(flush=True)
+            self._restored = False
         if self.config.kv_events:
             await self.router.poll_kv_events()  # what changed in the caches between batches
         self._episode_retries = 0

@@ -230,6 +230,17 @@ def run_coroutine(coro):
         return ex.submit(asyncio.run, coro).result()
 
 
+def _dumps_so_far(dump_dir) -> int:
+    """The highest ``rollout_NNNN.jsonl`` number in ``dump_dir`` (0: none, or no dumps)."""
+    import re
+    from pathlib import Path
+
+    if not dump_dir or not Path(dump_dir).is_dir():
+        return 0
+    nums = [int(m.group(1)) for p in Path(dump_dir).iterdir() if (m := re.fullmatch(r"rollout_(\d+)\.jsonl", p.name))]
+    return max(nums, default=0)
+
+
 class WarSamplesGenerator:
     """Drop-in for ``openrlhf.trainer.ppo_utils.samples_generator.SamplesGenerator``."""
 
@@ -246,7 +257,7 @@ class WarSamplesGenerator:
         self.metrics: dict[str, float] = {}
         self._sample_buffer: list = []
         self._dataloader_iter = None
-        self._batches = 0
+        self._batches = _dumps_so_far(rollout_config.dump_dir)  # a resumed job appends, never overwrites
         self._pending_metrics: dict[str, float] = {}  # reported with the next batch (warm-up)
         self._sampled: dict[tuple[float, float], RolloutConfig] = {}  # (temperature, top_p) -> settings
 
