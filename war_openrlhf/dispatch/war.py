@@ -767,7 +767,12 @@ class WarDispatchPolicy(DispatchPolicy):
                 "step_us_per_seq": s1 * 1e6, "tool_gap_s": gap if gap is not None else 0.0,
                 "growth_tokens_per_turn": self.growth_per_turn(),
                 "mean_turns": (float(np.mean(self._finished_turns))
-                               if self._finished_turns else 0.0)}
+                               if self._finished_turns else 0.0),
+                # what it holds (bounded over a long job): per-trajectory records, block-model
+                # entries, the survival history
+                "state_entries": float(len(self.trajectories) + len(self._live) + len(self._group_of)
+                                       + sum(len(lru) for lru in self.index.lru)),
+                "survival_history": float(len(self._finished_turns))}
 
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
         """Modelled prefix-cache hit (tokens) of ``context`` on an engine (no side effects)."""

@@ -35,7 +35,7 @@ from ..versions import check_openrlhf_version
 
 
 #: The dispatcher's counters that run since its start: reported per batch (differenced).
-_CUMULATIVE_DISPATCH = ("moves", "deferrals")
+_CUMULATIVE_DISPATCH = ("moves", "deferrals", "thrash_verdicts")
 
 
 def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after: list[EngineStats],
@@ -79,6 +79,9 @@ def rollout_metrics(result, pool: RolloutPool, before: list[EngineStats], after:
     m["war/engines_healthy"] = float(sum(e.healthy for e in pool.engines))
     m["war/engines_recovered"] = float(getattr(result, "engines_recovered", 0))
     m["war/index_sync_lag_records"] = float(sum(s.sync_lag_records for s in after))
+    # what the pool holds across batches (bounded over a long job: tools/long_run.py)
+    m["war/log_entries"] = float(len(pool.log))
+    m["war/archive_records"] = float(len(pool.shipper.archive))
     _index_metrics(after, m)
     # what the dispatcher measured and decided (war: moves, deferrals, prefix reuse lost,
     # fitted rates), so a user sees why it placed turns where it did
