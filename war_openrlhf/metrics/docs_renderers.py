@@ -731,3 +731,44 @@ def admission_order_reading(d: dict) -> str:
                      f"{a['last_admission_wait_s']['median']:.1f} s.")
     parts.append("`admission_order` stays `fifo` by default: longest first has not shortened a step here.")
     return " ".join(parts)
+
+
+# ---- resume after a kill (tools/resume_check.py) ---------------------------------------------
+@renderer("resume_check")
+def resume_check(d: dict) -> str:
+    """Per step: drafting of the killed-and-resumed run and of the cold resume."""
+    acc, tpv = d["acceptance_by_step"], d["tokens_per_verification_step_by_step"]
+    cacc, ctpv = d["cold_acceptance_by_step"], d["cold_tokens_per_verification_step_by_step"]
+    k = d["kill_after_step"]
+    rows = []
+    for s in sorted({int(x) for x in acc} | {int(x) for x in cacc}):
+        key = str(s)
+        when = "before the kill" if s <= k else ("first resumed step" if s == k + 1 else "resumed")
+        rows.append([str(s), when, num(acc.get(key), ".2f"), num(tpv.get(key), ".2f"),
+                     num(cacc.get(key), ".2f"), num(ctpv.get(key), ".2f")])
+    return md_table(["step", "", "acceptance (WAR state restored)", "tokens per verification step",
+                     "acceptance (cold resume)", "tokens per verification step (cold)"],
+                    ["r", "l", "r", "r", "r", "r"], rows)
+
+
+@renderer("resume_check_reading")
+def resume_check_reading(d: dict) -> str:
+    k = d["kill_after_step"]
+    first = str(k + 1)
+    tpv, ctpv = d["tokens_per_verification_step_by_step"], d["cold_tokens_per_verification_step_by_step"]
+    before, after = d["acceptance_before_kill"], d["acceptance_first_resumed_step"]
+    parts = [f"war-train ({d['steps']} steps, the CPU demo's policy, 2 engines) was SIGKILLed {d['run1']['killed_after_s']:.0f} s "
+             f"in, inside step {k + 1} (its rollout {'had' if d['killed_step_dumped_before_kill'] else 'had not'} "
+             f"been dumped), and started again with the same command: it resumed from step "
+             f"{d['resumed_from_step']} with {d['restored_index_records']} index records restored and ran steps "
+             f"{', '.join(map(str, d['steps_run_after_restart']))}; prompts rolled out more often than the dataset holds "
+             f"them: {d['prompts_rolled_out_too_often']}"
+             + ("; the killed step was redone with its own prompts." if d["killed_step_redone_with_its_prompts"] else ".")]
+    if before and after is not None:
+        parts.append(f"Acceptance at the first resumed step {after:.2f} against {before:.2f} before the kill "
+                     f"(target within 20%: {'met' if d['target_within_20pct'] else 'missed'}).")
+    if tpv.get(first) is not None and ctpv.get(first) is not None:
+        parts.append(f"Tokens per verification step at that step: {tpv[first]:.2f} with the restored state, "
+                     f"{ctpv[first]:.2f} in a cold resume of the same checkpoint (its acceptance rate, "
+                     f"{num(d['acceptance_first_resumed_step_cold'], '.2f')}, is that of shorter drafts).")
+    return " ".join(parts)
