@@ -812,13 +812,31 @@ def test_a_resumed_policy_decides_as_the_one_it_was_saved_from():
     assert [cold.choose(_new(i), sts) for i in range(16)] != got_old
 
 
-def test_the_survival_history_is_bounded_over_a_long_job():
+def test_the_survival_history_is_the_last_batches_and_bounded():
+    """Over many batches the survival curve is drawn from the last SURVIVAL_BATCHES batches'
+    trajectories only (and never more than SURVIVAL_HISTORY of them); the mean used for
+    progress follows the same ones."""
     pol = make_policy("war", 2)
     sts = states([0, 0], rates=RATES)
-    cap = pol.SURVIVAL_HISTORY
-    for i in range(2 * cap + 10):
-        pol.choose(req(f"t{i}", np.arange(20) + 100 * (i % 7), group=f"g{i}"), sts)
-        pol._live[f"t{i}"].turns = 1 + i % 5
-        pol.on_trajectory_finished(f"t{i}")
-    assert cap <= len(pol._finished_turns) <= 2 * cap
-    assert pol._finished_turns[-1] == 1 + (2 * cap + 9) % 5
+    K = pol.SURVIVAL_BATCHES
+    i = 0
+    for batch in range(3 * K):
+        pol.start_batch()
+        for _ in range(5):
+            pol.choose(req(f"t{i}", np.arange(20) + 100 * (i % 7), group=f"g{i}"), sts)
+            pol._live[f"t{i}"].turns = 1 + batch
+            pol.on_trajectory_finished(f"t{i}")
+            i += 1
+    assert pol._finished_turns == [t for t in range(2 * K + 1, 3 * K + 1) for _ in range(5)]
+    assert pol._finished_sum == sum(pol._finished_turns)
+    assert pol.metrics()["mean_turns"] == pytest.approx(np.mean(pol._finished_turns))
+    assert pol._progress(int(np.mean(pol._finished_turns))) == pytest.approx(
+        int(np.mean(pol._finished_turns)) / np.mean(pol._finished_turns))
+    small = make_policy("war", 2)
+    small.SURVIVAL_HISTORY = 7
+    small.start_batch()
+    for j in range(20):
+        small.choose(req(f"s{j}", np.arange(20) + 100 * (j % 7), group=f"h{j}"), sts)
+        small._live[f"s{j}"].turns = j
+        small.on_trajectory_finished(f"s{j}")
+    assert small._finished_turns == list(range(13, 20)) and small._finished_sum == sum(range(13, 20))

@@ -220,7 +220,9 @@ class WarDispatchPolicy(DispatchPolicy):
         self.expected_reuse = [0] * E         # own-prefix tokens that should have hit
         self.reprefilled = [0] * E            # ... and were recomputed instead
         # measured workload shape
-        self._finished_turns: List[int] = []
+        self._finished_turns: List[int] = []  # turn counts of the last SURVIVAL_BATCHES batches' trajectories
+        self._finished_sum = 0
+        self._batch_starts: deque = deque()   # where each of those batches starts in _finished_turns
         self._surv: Optional[np.ndarray] = None
         self._remaining: Optional[np.ndarray] = None
         self._growth_sum = 0
@@ -579,7 +581,7 @@ class WarDispatchPolicy(DispatchPolicy):
         """Turns done / mean turns of finished trajectories, capped at 1 (0 before any)."""
         if not self._finished_turns:
             return 0.0
-        x = k / (sum(self._finished_turns) / len(self._finished_turns))
+        x = k * len(self._finished_turns) / self._finished_sum if self._finished_sum else 1.0
         return 1.0 if x > 1.0 else x
 
     def on_turn_finished(self, request: TurnRequest, engine_id: int,
@@ -687,8 +689,9 @@ class WarDispatchPolicy(DispatchPolicy):
         if rec is not None:
             self.live[rec.engine] -= 1
             self._finished_turns.append(rec.turns)
-            if len(self._finished_turns) > 2 * self.SURVIVAL_HISTORY:  # bounded over a long job
-                del self._finished_turns[:-self.SURVIVAL_HISTORY]
+            self._finished_sum += rec.turns
+            if len(self._finished_turns) > self.SURVIVAL_HISTORY:  # one huge batch: its latest
+                self._forget_finished(len(self._finished_turns) - self.SURVIVAL_HISTORY)
             self._surv = self._remaining = None
             self._curves = [None] * self.num_engines
             if group is not None:
@@ -710,6 +713,10 @@ class WarDispatchPolicy(DispatchPolicy):
     def start_batch(self) -> None:
         self.siblings.start_batch()
         self._group_of.clear()
+        self._batch_starts.append(len(self._finished_turns))
+        if len(self._batch_starts) > self.SURVIVAL_BATCHES:
+            self._batch_starts.popleft()
+            self._forget_finished(self._batch_starts[0])
         if self._started_batch:
             self._started_prev = self._started_batch
         self._started_batch = 0
@@ -721,8 +728,20 @@ class WarDispatchPolicy(DispatchPolicy):
         for traj in self.trajectories.values():
             traj.hint = {}
 
-    #: finished trajectories' turn counts kept for the survival curve (the most recent)
-    SURVIVAL_HISTORY = 4096
+    #: the survival curve is drawn from the trajectories of the last this many batches (the
+    #: policy's turn counts drift as it learns; memory stays bounded over a long job) ...
+    SURVIVAL_BATCHES = 8
+    #: ... and at most this many of them
+    SURVIVAL_HISTORY = 16384
+
+    def _forget_finished(self, n: int) -> None:
+        """Drop the ``n`` oldest finished trajectories from the survival history."""
+        if n <= 0:
+            return
+        self._finished_sum -= sum(self._finished_turns[:n])
+        del self._finished_turns[:n]
+        self._batch_starts = deque(max(b - n, 0) for b in self._batch_starts)
+        self._surv = self._remaining = None
 
     def state_dict(self) -> dict:
         """The measurements (rates, survival curve, workload shape, KV shares, sibling groups);
@@ -740,6 +759,8 @@ class WarDispatchPolicy(DispatchPolicy):
         rates = state.get("engine_rates")
         self._engine_rates = tuple(float(x) for x in rates) if rates else None
         self._finished_turns = [int(t) for t in state["finished_turns"]][-self.SURVIVAL_HISTORY:]
+        self._finished_sum = sum(self._finished_turns)
+        self._batch_starts = deque([0]) if self._finished_turns else deque()
         self._surv = self._remaining = None
         self._growth_sum, self._growth_count = state["growth"]
         self._gap_sum, self._gap_count = state["gap"]
