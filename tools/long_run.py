@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     for name, by_step in sorted(series.items()):
         base = _level(by_step, args.warm_up - 5, args.warm_up + 5)
         end = _level(by_step, last_step - 9, last_step)
-        growth = (end / base - 1.0) if base else None
+        growth = (end / base - 1.0) if base else (0.0 if end == 0 else None)
         rows.append({"quantity": name, "at_warm_up": base, "at_end": end, "growth": growth,
                      "bounded": growth is not None and growth <= 0.10})
     result = {"benchmark": "long_run", "steps_requested": args.steps, "steps_done": steps_done,

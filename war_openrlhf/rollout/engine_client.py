@@ -130,7 +130,9 @@ class EngineClient:
         raises :class:`EngineDead`; any other error propagates unchanged."""
         fn = getattr(self.handle, method)
         try:
-            return await (fn.remote(*args) if self.remote else fn(*args))
+            # no task events: load polls, stats and log pushes run every interval of a long job,
+            # and Ray's GCS keeps an event record of every task (up to its cap) for its dashboard
+            return await (fn.options(enable_task_events=False).remote(*args) if self.remote else fn(*args))
         except Exception as exc:
             if not actor_died(exc):
                 raise
