@@ -772,3 +772,25 @@ def resume_check_reading(d: dict) -> str:
                      f"{ctpv[first]:.2f} in a cold resume of the same checkpoint (its acceptance rate, "
                      f"{num(d['acceptance_first_resumed_step_cold'], '.2f')}, is that of shorter drafts).")
     return " ".join(parts)
+
+
+# ---- a long run (tools/long_run.py) ---------------------------------------------------------
+@renderer("long_run")
+def long_run(d: dict) -> str:
+    rows = []
+    for r in d["rows"]:
+        g = r["growth"]
+        rows.append([f"`{r['quantity']}`", num(r["at_warm_up"], ",.1f"), num(r["at_end"], ",.1f"),
+                     f"{100 * g:+.1f}%" if g is not None else "-", "yes" if r["bounded"] else "**no**"])
+    return md_table([f"quantity (peak)", f"steps {d['warm_up_step'] - 5}-{d['warm_up_step'] + 5}",
+                     f"steps {d['last_step'] - 9}-{d['last_step']}", "growth", "within 10%"],
+                    ["l", "r", "r", "r", "l"], rows)
+
+
+@renderer("long_run_reading")
+def long_run_reading(d: dict) -> str:
+    grown = [r["quantity"] for r in d["rows"] if not r["bounded"]]
+    return (f"{d['steps_done']} GRPO steps in {d['seconds'] / 60:.0f} min ({d['prompts']} prompts recurring over "
+            f"{d['epochs']} epochs, the tiny local model, 2 engines). Target (no monitored quantity grows by more "
+            f"than 10% between step {d['warm_up_step']} and the last step): "
+            + ("met." if d["target_met"] else f"missed by {', '.join(f'`{q}`' for q in grown)}."))
