@@ -22,7 +22,8 @@ def _result():
 def _pool():
     policy = SimpleNamespace(estimated_cached_tokens=lambda engine, ctx: None, metrics=dict)
     return SimpleNamespace(policy=policy, engines=[SimpleNamespace(sync_errors=0, healthy=True),
-                                                   SimpleNamespace(sync_errors=1, healthy=False)])
+                                                   SimpleNamespace(sync_errors=1, healthy=False)],
+                           log=[1, 2, 3], shipper=SimpleNamespace(archive=[1, 2]))
 
 
 def _stats(engine, drafter_p50, drafter_p99, pending, steps=10):
@@ -43,6 +44,7 @@ def test_drafter_step_cost_and_log_backlog_are_reported_per_batch():
     assert m["war/turn_queue_s_mean"] == m["war/turn_queue_s_max"] == 0.05  # inside the engine
     assert m["war/turn_prefill_s_mean"] == 0.02
     assert m["war/engines_healthy"] == 1.0 and m["war/engines_recovered"] == 0.0
+    assert m["war/log_entries"] == 3.0 and m["war/archive_records"] == 2.0  # what the pool holds
     # engines without a replica (vLLM's own suffix, or no speculation) report neither
     plain = rollout_metrics(_result(), _pool(), before, [EngineStats(engine=0), EngineStats(engine=1)])
     assert "war/drafter_step_us_p50" not in plain and "war/index_pending_entries" not in plain
