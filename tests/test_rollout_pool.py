@@ -551,6 +551,7 @@ def test_a_saved_pool_state_lets_a_new_pool_draft_at_its_first_batch(pool, tmp_p
     resumed = _sibling(pool, **kw)
     got = resumed.load_state(saved)
     assert got["records"] == len(first.shipper.archive) and got["dispatch"] == "restored"
+    assert resumed._batch_index == first._batch_index  # trajectory ids continue, not "b0-..." again
     assert resumed.policy.metrics()["mean_turns"] == first.policy.metrics()["mean_turns"] == 3.0
     warm_accepted = accepted(resumed)
     assert warm_accepted > cold_accepted, (warm_accepted, cold_accepted)

@@ -206,7 +206,6 @@ class WarDispatchPolicy(DispatchPolicy):
         self.capacity_tokens = caps
         self.index = BlockHashIndex(E, [c // BLOCK_SIZE for c in caps])
         self.block_sizes = [BLOCK_SIZE] * E
-        self._cap_tokens_seen: Dict[int, int] = {}
         self.trajectories: Dict[str, TrajectoryChain] = {}
         self.costs = TurnCosts()
         self._engine_rates: Optional[tuple] = None
@@ -456,7 +455,7 @@ class WarDispatchPolicy(DispatchPolicy):
         bsz = self.block_sizes
         n = self.num_engines
         healthy = []
-        caps = self._cap_tokens_seen if self._caps_from_snapshot else None
+        reported = self.reported_capacity if self._caps_from_snapshot else None  # unset: never equal
         for e in engines:
             if not e.healthy:
                 continue
@@ -466,9 +465,8 @@ class WarDispatchPolicy(DispatchPolicy):
             healthy.append(e)
             mask |= 1 << eid
             bsz[eid] = e.kv_block_size
-            if caps is not None and caps.get(eid) != e.kv_capacity_tokens:
-                caps[eid] = e.kv_capacity_tokens
-                self.reported_capacity[eid] = e.kv_capacity_tokens
+            if reported is not None and reported[eid] != e.kv_capacity_tokens:
+                reported[eid] = e.kv_capacity_tokens
                 self._set_capacity(eid)
         if not healthy:
             self._healthy(engines)  # raises the base class's error naming the engines
