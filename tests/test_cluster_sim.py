@@ -427,3 +427,21 @@ def test_deferred_first_turns_are_offered_in_the_policys_admission_order():
     # the first arrives to an empty cluster; the rest by priority, highest first
     rest = sorted(ids[1:], key=lambda t: -(float(t.split("t")[-1]) + 10 * int(t[1:t.index("t")])))
     assert ordered.admitted == [ids[0]] + rest
+
+
+def test_engines_sharing_a_machine_slow_each_other_only_while_both_compute():
+    """``CostModel.contention``: a step runs that many times slower while every other engine is
+    busy. One trajectory alone (the other engine idle throughout) takes as long as with
+    independent engines; two at once, one per engine, take ``contention`` times as long (both
+    engines compute through the same steps, tool delays aside); 1 changes nothing."""
+    base = get_preset("cpu_tiny")
+    shared = base.with_overrides(contention=2.0)
+    one = workload(groups=1, trials=1, seed=3)
+    two = workload(groups=2, trials=1, seed=3)
+    run = lambda trajs, cost: simulate(trajs, "round_robin", cfg(preset=cost, tool_delay_s=0.0, per_env_token_s=0.0))
+    assert run(one, shared).makespan_s == pytest.approx(run(one, base).makespan_s)
+    alone, both = run(two, base), run(two, shared)
+    assert both.makespan_s == pytest.approx(2.0 * alone.makespan_s, rel=0.02)
+    assert run(two, base.with_overrides(contention=1.0)).makespan_s == alone.makespan_s
+    with pytest.raises(ValueError, match="contention"):
+        base.with_overrides(contention=0.0)

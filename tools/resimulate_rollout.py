@@ -19,24 +19,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", type=Path)
-    ap.add_argument("--cost-model", required=True)
-    ap.add_argument("--traces-root", type=Path, default=None,
-                    help="directory the run's relative traces path is resolved from (default: the current one)")
-    args = ap.parse_args(argv)
+def resimulate(d: dict, cost_model: str, traces_root: Path | None = None) -> dict:
+    """The simulator's step and gain over ``openrlhf`` for every configuration of a finished
+    ``bench_rollout`` trace run ``d``: the run's trajectories, tool delays, KV and measured
+    speculation, ``cost_model``'s engines. ValueError for a run that is not a trace workload."""
     import bench_rollout as br
     from transformers import AutoTokenizer
 
-    from war_openrlhf.metrics import provenance, read_json, write_json
-
-    d = read_json(args.json)
     workload = d.get("workload") or ""
     if not workload.startswith("traces:"):
-        raise SystemExit(f"{args.json}: workload {workload!r} is not a trace workload")
-    if args.traces_root is not None:
-        workload = "traces:" + str(args.traces_root / workload.split(":", 1)[1])
+        raise ValueError(f"workload {workload!r} is not a trace workload (its trajectories are not recorded)")
+    if traces_root is not None:
+        workload = "traces:" + str(traces_root / workload.split(":", 1)[1])
     ta = d.get("trace_args")
     if ta is None:  # a run written before bench_rollout recorded them: its command line has them
         cmd = d["command"].split()
@@ -47,8 +41,32 @@ def main(argv=None) -> int:
     rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"], ta["tool_jitter"],
                              ta["per_env_token"])
     tok = AutoTokenizer.from_pretrained(d["model"])
-    sim = br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], ta["seed"]),
-                              args.cost_model, d["engines"], d["kv_tokens_per_engine"], d["configs"])
+    modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
+    return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], ta["seed"]),
+                               cost_model, d["engines"], d["kv_tokens_per_engine"], modelled)
+
+
+def unmodelled_configs(d: dict) -> list[str]:
+    """Configurations of run ``d`` the simulator has no model of (vLLM's request priorities)."""
+    import bench_rollout as br
+
+    return [name for name in d["configs"] if name not in br.SIM_POLICIES]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path)
+    ap.add_argument("--cost-model", required=True)
+    ap.add_argument("--traces-root", type=Path, default=None,
+                    help="directory the run's relative traces path is resolved from (default: the current one)")
+    args = ap.parse_args(argv)
+    from war_openrlhf.metrics import provenance, read_json, write_json
+
+    d = read_json(args.json)
+    try:
+        sim = resimulate(d, args.cost_model, args.traces_root)
+    except ValueError as exc:
+        raise SystemExit(f"{args.json}: {exc}")
     d["simulated"] = {c: v["x_openrlhf"] for c, v in sim.items()}
     d["cost_model"] = args.cost_model
     print("| config | measured x openrlhf | simulated x openrlhf | simulated / measured | simulated step s |")

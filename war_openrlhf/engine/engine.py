@@ -500,6 +500,9 @@ class WarEngine:
             if cache.num_gpu_blocks:
                 out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
             out["kv_block_size"] = int(cache.block_size)
+            sched = self.llm.vllm_config.scheduler_config  # what a fitted cost model's engine limits are
+            out["max_num_seqs"] = int(sched.max_num_seqs)
+            out["max_num_batched_tokens"] = int(sched.max_num_batched_tokens)
         if self.config.drafting.has_war_index and self.llm is not None:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out

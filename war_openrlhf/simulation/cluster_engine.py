@@ -169,8 +169,9 @@ class SimEngine:
         self.queued_tokens += r.queued
         self.waiting.append(r)
 
-    def plan_step(self, now: float = 0.0) -> float:
-        """Choose this step's work (starting at ``now``); return its duration."""
+    def plan_step(self, now: float = 0.0, slowdown: float = 1.0) -> float:
+        """Choose this step's work (starting at ``now``); return its duration (``slowdown``: the
+        factor by which the machine's other busy engines stretch it, see ``CostModel.contention``)."""
         budget = self.cost.max_num_batched_tokens
         sched: List[Tuple[SimRequest, int]] = []
         n_dec = ctx_tokens = prefill = 0
@@ -216,6 +217,7 @@ class SimEngine:
                 dur += cost.spec_step_s + cost.draft_token_s * drafts
             else:  # a verified draft token costs a prefill token's compute
                 dur += cost.prefill_per_token_s * drafts
+        dur *= slowdown
         self.busy_s += dur
         n, m, acc = len(sched), prefill, self._sums
         acc[0] += 1.0

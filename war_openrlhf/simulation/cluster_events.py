@@ -123,9 +123,17 @@ class EventLoop:
         r.batch = len(eng.running) + len(eng.waiting)
         eng.enqueue(r)
         if eng.sched is None:
-            dur = eng.plan_step(now)
-            self._push(now + dur, _STEP, eid, 0)
+            self._push(now + self._plan(eng, now), _STEP, eid, 0)
         return True
+
+    def _plan(self, eng: SimEngine, now: float) -> float:
+        """``eng``'s next step and its duration, stretched by the engines computing beside it
+        where they share the machine (``CostModel.contention``; 1: independent accelerators)."""
+        extra = eng.cost.contention - 1.0
+        if extra == 0.0 or len(self.engines) == 1:
+            return eng.plan_step(now)
+        others = sum(1 for e in self.engines if e is not eng and e.sched is not None)
+        return eng.plan_step(now, 1.0 + extra * others / (len(self.engines) - 1))
 
     def _engine_step_done(self, eng: SimEngine, now: float) -> None:
         finished_any = False
@@ -133,8 +141,7 @@ class EventLoop:
             finished_any = True
             self._turn_done(eng, r, now)
         if eng.running or eng.waiting:
-            dur = eng.plan_step(now)
-            self._push(now + dur, _STEP, eng.eid, 0)
+            self._push(now + self._plan(eng, now), _STEP, eng.eid, 0)
         while finished_any and self.deferred:
             head = self._next_deferred()
             if not self._dispatch(head, 0, now):

@@ -91,6 +91,11 @@ class CostModel:
     # token costs a prefill token and a drafting step nothing more (the analytic presets).
     spec_step_s: float = 0.0
     draft_token_s: float = 0.0
+    # The machine: how much a step slows while the other engines compute too. 1 (the presets):
+    # independent accelerators, as GPUs are. Engines that share a host's CPU cores (with each
+    # other, their front-ends and the driver) run a step ``contention`` times slower while every
+    # other engine is busy, and in proportion in between (tools/fit_serving_costs.py measures it).
+    contention: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
@@ -99,6 +104,8 @@ class CostModel:
                       "prefill_per_token_s", "prefill_attn_per_pair_s", "spec_step_s", "draft_token_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"CostModel.{field} must be >= 0, got {getattr(self, field)!r}")
+        if not self.contention > 0:
+            raise ValueError(f"CostModel.contention must be > 0, got {self.contention!r}")
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError(f"CostModel.kv_capacity_tokens must be >= {self.block_size} (one block), "
                              f"got {self.kv_capacity_tokens!r}")

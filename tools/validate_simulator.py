@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""The simulator against real engines: every committed real-engine rollout result beside the
+simulator's prediction of the same run, in one file that war-predict reads.
+
+    python tools/validate_simulator.py --cost-model benchmarks/results/engine/cost_cpu_peaked.json \\
+        --json benchmarks/results/simulator/validation.json
+
+For each ``bench_rollout`` result under ``benchmarks/results/rollout/`` (or the files given) whose
+workload is a trace (its trajectories, tool delays and KV can be replayed), the simulator runs
+every measured configuration with the fitted cost model and the configuration's measured
+speculation (tokens per verification step, acceptance, speculating fraction): the step time and
+the gain over ``openrlhf`` it predicts are set beside the measured ones. Task workloads free-sample
+their episodes and record no trajectories; they are listed as skipped, with that reason.
+
+The errors are reported two ways: of the gain over OpenRLHF's path (what war-predict's table
+says, ``simulated x / measured x - 1``) and of the absolute step time. The worst of the gain's
+is ``worst_abs_error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "rollout"
+
+
+def regime_name(d: dict) -> str:
+    """A run's regime in words: workload, split, engines, KV, load."""
+    kv = f"KV pressure {d['pressure']:g}" if d.get("pressure") else (
+        f"{d['kv_tokens_per_engine']} KV tokens/engine" if d.get("kv_tokens_per_engine") else "ample KV")
+    workload = d.get("workload", "?").split("/")[-1]
+    split = f" ({d['split']} half)" if d.get("split") else ""
+    return f"{workload}{split}, {d.get('engines')} engines, {kv}"
+
+
+def compare(d: dict, sim: dict) -> list[dict]:
+    """Measured vs simulated, per configuration of one run."""
+    rows = []
+    for name, v in sim.items():
+        m = d["configs"][name]
+        x_meas, x_sim = m.get("x_openrlhf"), v["x_openrlhf"]
+        rows.append({
+            "config": name, "measured_step_s": round(m["step_s"], 3), "simulated_step_s": v["step_s"],
+            "step_error": round(v["step_s"] / m["step_s"] - 1.0, 4),
+            "measured_x_openrlhf": None if x_meas is None else round(x_meas, 4), "simulated_x_openrlhf": x_sim,
+            "gain_error": None if not x_meas or x_sim is None else round(x_sim / x_meas - 1.0, 4),
+        })
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="*", type=Path,
+                    help=f"bench_rollout result files (default: every file in {DEFAULT_RESULTS.relative_to(ROOT)})")
+    ap.add_argument("--cost-model", required=True, help="cost model fitted on the machine of the runs "
+                    "(tools/bench_engine.py --fit-costs) or a preset name")
+    ap.add_argument("--traces-root", type=Path, default=None,
+                    help="directory the runs' relative trace paths are resolved from (default: the current one)")
+    ap.add_argument("--json", type=Path, required=True)
+    args = ap.parse_args(argv)
+    from resimulate_rollout import resimulate, unmodelled_configs
+    from tqdm import tqdm
+
+    from war_openrlhf.metrics import read_json, write_json
+
+    files = args.results or sorted(DEFAULT_RESULTS.glob("*.json*"))
+    runs, skipped = [], []
+    for path in tqdm(files, desc="re-simulating runs", unit="run"):
+        d = read_json(path)
+        if d.get("benchmark") != "rollout":
+            skipped.append({"file": _rel(path), "reason": f"not a bench_rollout result ({d.get('benchmark')!r})"})
+            continue
+        try:
+            sim = resimulate(d, args.cost_model, args.traces_root)
+        except ValueError as exc:
+            skipped.append({"file": _rel(path), "reason": str(exc)})
+            continue
+        runs.append({"file": _rel(path), "regime": regime_name(d), "load": (d.get("regime") or {}).get("load"),
+                     "pressure": d.get("pressure"), "commit": (d.get("git") or {}).get("commit"),
+                     "rows": compare(d, sim), "not_modelled": unmodelled_configs(d)})
+    rows = [r for run in runs for r in run["rows"]]
+    gain = [abs(r["gain_error"]) for r in rows if r["gain_error"] is not None and r["config"] != "openrlhf"]
+    step = [abs(r["step_error"]) for r in rows]
+    out = write_json(args.json, {
+        "benchmark": "simulator_validation", "cost_model": args.cost_model, "runs": runs, "skipped": skipped,
+        "comparisons": len(gain), "worst_abs_error": max(gain) if gain else None,
+        "worst_abs_step_error": max(step) if step else None,
+        "target_abs_error": 0.15,
+    })
+    for run in runs:
+        print(f"\n{run['file']}: {run['regime']}")
+        for r in run["rows"]:
+            print(f"  {r['config']:<22} step {r['measured_step_s']:7.2f} s measured, {r['simulated_step_s']:7.2f} s "
+                  f"simulated ({r['step_error']:+.0%}); x openrlhf {r['measured_x_openrlhf']} vs "
+                  f"{r['simulated_x_openrlhf']}" + ("" if r["gain_error"] is None else f" ({r['gain_error']:+.0%})"))
+        for name in run["not_modelled"]:
+            print(f"  {name:<22} not modelled by the simulator (vLLM request priorities)")
+    for s in skipped:
+        print(f"skipped {s['file']}: {s['reason']}")
+    if gain:
+        print(f"\nworst |simulated / measured - 1|: gain {max(gain):.1%}, step time {max(step):.1%} "
+              f"over {len(gain)} comparisons")
+    print(f"wrote {out}")
+    return 0
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
