@@ -445,3 +445,20 @@ def test_engines_sharing_a_machine_slow_each_other_only_while_both_compute():
     assert run(two, base.with_overrides(contention=1.0)).makespan_s == alone.makespan_s
     with pytest.raises(ValueError, match="contention"):
         base.with_overrides(contention=0.0)
+
+
+def test_draft_tokens_pay_for_the_context_they_attend():
+    """A verified draft token attends its request's context (``draft_context_token_s``): the same
+    drafting costs more over long contexts than over short ones, and nothing without drafts."""
+    cost = get_preset("cpu_tiny").with_overrides(spec_step_s=1e-4, draft_token_s=1e-5)
+    attn = cost.with_overrides(draft_context_token_s=1e-8)
+    spec = dict(spec_tokens_per_step=2.0, spec_drafted_per_step=4.0, tool_delay_s=0.0, per_env_token_s=0.0)
+
+    def run(c, prompt_len, **kw):
+        return simulate(workload(groups=2, trials=1, prompt_len=prompt_len, seed=5), "round_robin",
+                        cfg(preset=c, **kw)).makespan_s
+
+    short, long = (run(attn, n, **spec) - run(cost, n, **spec) for n in (256, 4096))
+    assert 0 < short < long
+    assert run(attn, 4096, tool_delay_s=0.0, per_env_token_s=0.0) == run(cost, 4096, tool_delay_s=0.0,
+                                                                          per_env_token_s=0.0)

@@ -114,7 +114,20 @@ def test_spec_costs_are_fitted_on_top_of_the_plain_model():
     fitted, report = fit_spec_costs(base, runs)
     assert fitted.spec_step_s == pytest.approx(4e-4, rel=1e-6)
     assert fitted.draft_token_s == pytest.approx(2e-5, rel=1e-6)
+    assert fitted.draft_context_token_s == 0.0  # the runs record no draft context
     assert fitted.step_overhead_s == base.step_overhead_s  # the plain costs are kept
+    assert report["max_relative_error"] < 1e-6
+    # draft tokens that attend long contexts: their attention is a cost of its own
+    ctx_runs = []
+    for ctx in (64, 2048, 8192):
+        for r in runs:
+            dctx = r.draft_tokens * ctx
+            p = r.plain
+            ctx_runs.append(SpecRun(StepRun("spec", p.steps, p.decode_seqs, p.context_tokens, 0,
+                                            p.seconds + 3e-8 * dctx), r.spec_steps, r.draft_tokens, dctx))
+    fitted, report = fit_spec_costs(base, ctx_runs)
+    assert fitted.draft_context_token_s == pytest.approx(3e-8, rel=1e-6)
+    assert fitted.draft_token_s == pytest.approx(2e-5, rel=1e-6)
     assert report["max_relative_error"] < 1e-6
     with pytest.raises(ValueError, match="at least 2 drafting runs"):
         fit_spec_costs(base, runs[:1])

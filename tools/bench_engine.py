@@ -252,7 +252,8 @@ def measure_spec_costs(model, max_len, repeats, bind="0", seed=0, k=8):
             return seconds, {key: after[key] - before[key] for key in after}
 
         llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], SamplingParams(max_tokens=4), use_tqdm=False)
-        shapes = [(b, c) for b in (1, 2, 4, 8) for c in (64, 2048) if c < max_len - m - 8]
+        # long contexts too: a draft token attends its request's context (draft_context_token_s)
+        shapes = [(b, c) for b in (1, 2, 4, 8) for c in (64, 2048, 8192) if c < max_len - m - 8 and b * c <= 32768]
         samples = {(b, c, t): [] for b, c in shapes for t in (0.0, 1.0)}
         for _ in range(repeats):
             for b, c in shapes:
@@ -266,7 +267,8 @@ def measure_spec_costs(model, max_len, repeats, bind="0", seed=0, k=8):
                     steps = request_steps / b
                     plain = StepRun("spec", psteps + steps, request_steps, pctx + request_steps * (c + m / 2),
                                     b * c, seconds, pairs)
-                    samples[(b, c, t)].append(SpecRun(plain, d["num_drafts"] / b, d["num_draft_tokens"]))
+                    samples[(b, c, t)].append(SpecRun(plain, d["num_drafts"] / b, d["num_draft_tokens"],
+                                                      d["num_draft_tokens"] * (c + m / 2)))
         return [sorted(v, key=lambda r: r.plain.seconds)[len(v) // 2] for v in samples.values()]
     finally:
         _shutdown(llm)

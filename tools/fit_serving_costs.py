@@ -20,7 +20,7 @@ phases per repeat and shape, in rotating order:
   once. The simulator scales each step by it in proportion to the other engines busy
   (``CostModel.contention``; 1 = independent accelerators, as GPUs are).
 
-The drafting costs (``spec_step_s``, ``draft_token_s``) are taken from an in-process fit
+The drafting costs (``spec_step_s``, ``draft_token_s``, ``draft_context_token_s``) are taken from an in-process fit
 (``--spec-costs FILE`` from ``bench_engine.py --fit-costs``) when given.
 """
 
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     extra = {"contention": round(contention, 4)}
     if args.spec_costs is not None:
         spec = get_preset(str(args.spec_costs))
-        extra.update(spec_step_s=spec.spec_step_s, draft_token_s=spec.draft_token_s)
+        extra.update(spec_step_s=spec.spec_step_s, draft_token_s=spec.draft_token_s,
+                     draft_context_token_s=spec.draft_context_token_s)
     model = model.with_overrides(**extra)
     rows = [{"shape": k, "alone_ms": 1e3 * statistics.median(v["alone"]),
              "together_ms": 1e3 * statistics.median(v["together"]), "ratio": ratios[k]} for k, v in raw.items()]

@@ -41,9 +41,12 @@ The model
 * **Speculation** (optional, as measured on real engines): ``spec_tokens_per_step`` tokens per
   decode step per request on average, and ``spec_drafted_per_step`` draft tokens verified per
   request-step. A drafting step costs the cost model's ``spec_step_s`` more plus
-  ``draft_token_s`` per draft token when it has them (fitted presets), else a prefill token's
-  compute per draft token. The simulator does not predict acceptance; it takes it from a
-  measurement.
+  ``draft_token_s`` per draft token and ``draft_context_token_s`` per draft token and token of
+  its request's context (its attention) when it has them (fitted presets), else a prefill
+  token's compute per draft token. The simulator does not predict acceptance; it takes it from
+  a measurement.
+* **Machine** (``CostModel.contention``): engines sharing a host's cores stretch each other's
+  steps while they compute at once; 1 (independent accelerators) by default.
 * **Deferral**: a policy may answer :data:`~war_openrlhf.dispatch.DEFER` for a first turn (KV-
   aware admission); the turn waits in a FIFO and is offered again whenever a turn finishes.
   Deferring a later turn, or leaving deferred turns when nothing is running, raises

@@ -174,7 +174,7 @@ class SimEngine:
         factor by which the machine's other busy engines stretch it, see ``CostModel.contention``)."""
         budget = self.cost.max_num_batched_tokens
         sched: List[Tuple[SimRequest, int]] = []
-        n_dec = ctx_tokens = prefill = 0
+        n_dec = ctx_tokens = prefill = dec_ctx = 0
         pairs = 0.0  # prefill attention: chunk c over what is computed, c * (computed + c / 2)
         for r in self.running:
             if budget <= 0:
@@ -191,6 +191,7 @@ class SimEngine:
                 budget -= 1
                 n_dec += 1
                 ctx_tokens += r.computed
+                dec_ctx += r.computed
         while (self.waiting and budget > 0
                and len(self.running) < self.cost.max_num_seqs):
             r = self.waiting[0]
@@ -213,8 +214,9 @@ class SimEngine:
         if n_dec and self.spec_drafted:
             cost = self.cost
             drafts = n_dec * self.spec_drafted
-            if cost.spec_step_s or cost.draft_token_s:  # measured costs of drafting steps
-                dur += cost.spec_step_s + cost.draft_token_s * drafts
+            if cost.spec_step_s or cost.draft_token_s or cost.draft_context_token_s:  # measured costs
+                dur += (cost.spec_step_s + cost.draft_token_s * drafts
+                        + cost.draft_context_token_s * self.spec_drafted * dec_ctx)
             else:  # a verified draft token costs a prefill token's compute
                 dur += cost.prefill_per_token_s * drafts
         dur *= slowdown

@@ -91,6 +91,11 @@ class CostModel:
     # token costs a prefill token and a drafting step nothing more (the analytic presets).
     spec_step_s: float = 0.0
     draft_token_s: float = 0.0
+    # A verified draft token is a query token: it attends its request's context. On a
+    # compute-bound CPU that costs about what a decoded token's attention does, per context
+    # token; on a GPU one read of the KV serves all of a request's query tokens (about 0, the
+    # analytic presets). Fitted with the other drafting costs (bench_engine.py --fit-costs).
+    draft_context_token_s: float = 0.0
     # The machine: how much a step slows while the other engines compute too. 1 (the presets):
     # independent accelerators, as GPUs are. Engines that share a host's CPU cores (with each
     # other, their front-ends and the driver) run a step ``contention`` times slower while every
@@ -101,7 +106,8 @@ class CostModel:
         if not isinstance(self.block_size, int) or self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"CostModel.block_size must be a positive multiple of 16, got {self.block_size!r}")
         for field in ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s",
-                      "prefill_per_token_s", "prefill_attn_per_pair_s", "spec_step_s", "draft_token_s"):
+                      "prefill_per_token_s", "prefill_attn_per_pair_s", "spec_step_s", "draft_token_s",
+                      "draft_context_token_s"):
             if not getattr(self, field) >= 0:
                 raise ValueError(f"CostModel.{field} must be >= 0, got {getattr(self, field)!r}")
         if not self.contention > 0:

@@ -54,26 +54,29 @@ class SpecRun:
     plain: StepRun
     spec_steps: float
     draft_tokens: float
+    draft_context_tokens: float = 0.0  # sum over verified draft tokens of their request's context
 
 
 def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun]) -> tuple[CostModel, dict[str, Any]]:
-    """``model`` with ``spec_step_s`` and ``draft_token_s`` fitted to drafting runs: what each
-    run took beyond ``model``'s price of its plain work (non-negative least squares on
-    relative error, as :func:`fit_cost_model`)."""
+    """``model`` with ``spec_step_s``, ``draft_token_s`` and ``draft_context_token_s`` fitted to
+    drafting runs: what each run took beyond ``model``'s price of its plain work (non-negative
+    least squares on relative error, as :func:`fit_cost_model`). Runs that record no draft
+    context (all zero) fit the first two only."""
     if len(runs) < 2:
         raise ValueError(f"runs: need at least 2 drafting runs to fit 2 costs, got {len(runs)}")
     base = np.array([np.dot(r.plain.features(), [getattr(model, c) for c in _COSTS]) for r in runs])
     y = np.array([r.plain.seconds for r in runs])
-    a = np.array([[r.spec_steps, r.draft_tokens] for r in runs], dtype=np.float64)
+    a = np.array([[r.spec_steps, r.draft_tokens, r.draft_context_tokens] for r in runs], dtype=np.float64)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
     x = _nnls((a / scale) / y[:, None], (y - base) / y) / scale
-    fitted = replace(model, spec_step_s=float(x[0]), draft_token_s=float(x[1]))
+    fitted = replace(model, spec_step_s=float(x[0]), draft_token_s=float(x[1]), draft_context_token_s=float(x[2]))
     predicted = base + a @ x
     ratios = predicted / y
     report = {
-        "costs": {"spec_step_s": float(x[0]), "draft_token_s": float(x[1])},
+        "costs": {"spec_step_s": float(x[0]), "draft_token_s": float(x[1]), "draft_context_token_s": float(x[2])},
         "runs": [{**asdict(r.plain), "spec_steps": r.spec_steps, "draft_tokens": r.draft_tokens,
+                  "draft_context_tokens": r.draft_context_tokens,
                   "predicted_s": float(p), "ratio": round(float(q), 4)} for r, p, q in zip(runs, predicted, ratios)],
         "max_relative_error": round(float(np.max(np.abs(ratios - 1.0))), 4),
         "median_relative_error": round(float(np.median(np.abs(ratios - 1.0))), 4),
