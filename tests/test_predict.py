@@ -180,3 +180,25 @@ def test_the_command_writes_its_json_and_plot_and_says_how_far_it_is_validated(t
     assert "| war |" in printed and "validation:" in printed
     with pytest.raises(SystemExit, match="--engines: must be"):
         main(["--traces", str(tmp_path / "t.traj"), "--engines", "0", "--quiet"])
+
+
+def test_the_validation_note_says_what_was_checked_and_whether_it_covers_this_prediction(tmp_path):
+    """war-predict's validation line comes from the committed comparison with real engines: no
+    file -> not validated; a file -> its worst error and the target's verdict, and whether the
+    prediction's own cost model is one the file checked (a preset never is)."""
+    from war_openrlhf.cli.predict import validation_note
+
+    missing = validation_note(tmp_path / "none.json", cost="h100_qwen7b")
+    assert missing["validated"] is False and "not been validated" in missing["note"]
+    f = tmp_path / "validation.json"
+    f.write_text(json.dumps({"worst_abs_error": 0.12, "target_abs_error": 0.15, "comparisons": 20,
+                             "cost_models": ["benchmarks/results/engine/cost_serving_cpu_peaked.json"]}))
+    mine = validation_note(f, cost="/somewhere/cost_serving_cpu_peaked.json")
+    assert mine["validated"] is True and mine["cost_model_checked"] is True
+    assert "within 12%" in mine["note"] and "20 comparisons" in mine["note"] and "met" in mine["note"]
+    preset = validation_note(f, cost="h100_qwen7b")
+    assert preset["validated"] is False and "fit yours" in preset["note"]
+    f.write_text(json.dumps({"worst_abs_error": 0.4, "target_abs_error": 0.15, "comparisons": 20,
+                             "cost_models": ["cost_serving_cpu_peaked.json"]}))
+    worse = validation_note(f, cost="cost_serving_cpu_peaked.json")
+    assert worse["validated"] is False and "missed" in worse["note"]

@@ -27,6 +27,7 @@ The drafting costs (``spec_step_s``, ``draft_token_s``, ``draft_context_token_s`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -62,7 +63,7 @@ def _run_shape(handles, b: int, c: int, m: int, rng, vocab: int) -> list[float]:
     return out
 
 
-def measure(handles, max_len: int, repeats: int, chunk: int, seed: int = 0):
+def measure(handles, max_len: int, repeats: int, chunk: int, vocab: int, seed: int = 0):
     """``(alone runs, together seconds per shape)``: StepRuns of engine 0 alone (the median of
     ``repeats``) and, per shape, the median over repeats and engines of the seconds with every
     engine running it."""
@@ -73,7 +74,6 @@ def measure(handles, max_len: int, repeats: int, chunk: int, seed: int = 0):
     from war_openrlhf.simulation.fit import StepRun
 
     rng = np.random.default_rng(seed)
-    vocab = 500  # the tiny models' vocabulary is larger; any ids below it are valid prompts
     _run_shape(handles, 1, 64, 4, rng, vocab)  # warm-up
     todo = shapes(max_len)
     alone = {s: [] for s in todo}
@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         info = ray.get(handles[0].stats.remote())
         limits = {"kv_capacity_tokens": int(info["kv_capacity_tokens"]), "block_size": int(info["kv_block_size"]),
                   "max_num_seqs": int(info["max_num_seqs"]), "max_num_batched_tokens": int(info["max_num_batched_tokens"])}
-        runs, ratios, raw = measure(handles, args.max_len, args.repeats, limits["max_num_batched_tokens"])
+        vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
+        runs, ratios, raw = measure(handles, args.max_len, args.repeats, limits["max_num_batched_tokens"], vocab)
     finally:
         for h in handles:
             ray.kill(h)

@@ -2,15 +2,19 @@
 """The simulator against real engines: every committed real-engine rollout result beside the
 simulator's prediction of the same run, in one file that war-predict reads.
 
-    python tools/validate_simulator.py --cost-model benchmarks/results/engine/cost_cpu_peaked.json \\
-        --json benchmarks/results/simulator/validation.json
+    python tools/validate_simulator.py --cost-models benchmarks/results/engine/cost_serving_cpu_peaked.json \\
+        benchmarks/results/engine/cost_serving_cpu_policy.json --json benchmarks/results/simulator/validation.json
 
-For each ``bench_rollout`` result under ``benchmarks/results/rollout/`` (or the files given) whose
-workload is a trace (its trajectories, tool delays and KV can be replayed), the simulator runs
-every measured configuration with the fitted cost model and the configuration's measured
-speculation (tokens per verification step, acceptance, speculating fraction): the step time and
-the gain over ``openrlhf`` it predicts are set beside the measured ones. Task workloads free-sample
-their episodes and record no trajectories; they are listed as skipped, with that reason.
+For each ``bench_rollout`` result under ``benchmarks/results/rollout/`` (or the files given), the
+cost model is the one fitted to the run's model (``--cost-models``: files written by
+``tools/fit_serving_costs.py`` or ``bench_engine.py --fit-costs``, matched by the model directory's
+name). A trace run is re-simulated: every measured configuration with the run's trajectories,
+tool delays, KV and the configuration's measured speculation (tokens per verification step,
+acceptance, speculating fraction); the step time and the gain over ``openrlhf`` it predicts are
+set beside the measured ones. A task run replays episodes it recorded in the run and keeps no
+copy of them: its prediction is the one ``bench_rollout --cost-model`` made in the run (used when
+made with the same cost model), else it is listed as skipped, with the reason. Configurations
+the simulator has no model of (vLLM request priorities) are listed per run.
 
 The errors are reported two ways: of the gain over OpenRLHF's path (what war-predict's table
 says, ``simulated x / measured x - 1``) and of the absolute step time. The worst of the gain's
@@ -36,7 +40,8 @@ def regime_name(d: dict) -> str:
         f"{d['kv_tokens_per_engine']} KV tokens/engine" if d.get("kv_tokens_per_engine") else "ample KV")
     workload = d.get("workload", "?").split("/")[-1]
     split = f" ({d['split']} half)" if d.get("split") else ""
-    return f"{workload}{split}, {d.get('engines')} engines, {kv}"
+    load = (d.get("regime") or {}).get("load")
+    return f"{workload}{split}, {d.get('engines')} engines, {load or '?'} load, {kv}"
 
 
 def compare(d: dict, sim: dict) -> list[dict]:
@@ -45,8 +50,11 @@ def compare(d: dict, sim: dict) -> list[dict]:
     for name, v in sim.items():
         m = d["configs"][name]
         x_meas, x_sim = m.get("x_openrlhf"), v["x_openrlhf"]
+        runs = m.get("step_s_runs") or [m["step_s"]]
         rows.append({
             "config": name, "measured_step_s": round(m["step_s"], 3), "simulated_step_s": v["step_s"],
+            "measured_step_range": [round(min(runs), 3), round(max(runs), 3)],
+            "within_measured_range": min(runs) <= v["step_s"] <= max(runs),
             "step_error": round(v["step_s"] / m["step_s"] - 1.0, 4),
             "measured_x_openrlhf": None if x_meas is None else round(x_meas, 4), "simulated_x_openrlhf": x_sim,
             "gain_error": None if not x_meas or x_sim is None else round(x_sim / x_meas - 1.0, 4),
@@ -59,10 +67,11 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="*", type=Path,
                     help=f"bench_rollout result files (default: every file in {DEFAULT_RESULTS.relative_to(ROOT)})")
-    ap.add_argument("--cost-model", required=True, help="cost model fitted on the machine of the runs "
-                    "(tools/bench_engine.py --fit-costs) or a preset name")
-    ap.add_argument("--traces-root", type=Path, default=None,
-                    help="directory the runs' relative trace paths are resolved from (default: the current one)")
+    ap.add_argument("--cost-models", nargs="+", required=True, type=Path,
+                    help="cost models fitted on the machine of the runs, one per model (tools/fit_serving_costs.py)")
+    ap.add_argument("--traces-root", type=Path, default=ROOT,
+                    help="directory the runs' relative trace paths are resolved from (default: the repository root, "
+                         "where bench_rollout runs)")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     from resimulate_rollout import resimulate, unmodelled_configs
@@ -70,6 +79,12 @@ def main(argv=None) -> int:
 
     from war_openrlhf.metrics import read_json, write_json
 
+    costs = {}
+    for path in args.cost_models:
+        model = read_json(path).get("model")
+        if not model:
+            raise SystemExit(f"{path}: not a fitted cost model (no 'model' field)")
+        costs[Path(model).name] = _rel(path)
     files = args.results or sorted(DEFAULT_RESULTS.glob("*.json*"))
     runs, skipped = [], []
     for path in tqdm(files, desc="re-simulating runs", unit="run"):
@@ -77,25 +92,34 @@ def main(argv=None) -> int:
         if d.get("benchmark") != "rollout":
             skipped.append({"file": _rel(path), "reason": f"not a bench_rollout result ({d.get('benchmark')!r})"})
             continue
-        try:
-            sim = resimulate(d, args.cost_model, args.traces_root)
-        except ValueError as exc:
-            skipped.append({"file": _rel(path), "reason": str(exc)})
+        cost = costs.get(Path(d.get("model", "")).name)
+        if cost is None:
+            skipped.append({"file": _rel(path), "reason": f"no cost model fitted to its model {d.get('model')!r}"})
+            continue
+        if (d.get("workload") or "").startswith("traces:"):
+            sim, source = resimulate(d, str(ROOT / cost), args.traces_root), "re-simulated"
+        elif d.get("cost_model") and Path(d["cost_model"]).name == Path(cost).name:
+            sim, source = {c: {"step_s": v["simulated_step_s"], "x_openrlhf": v["simulated_x_openrlhf"]}
+                           for c, v in d["configs"].items() if "simulated_step_s" in v}, "simulated in the run"
+        else:
+            skipped.append({"file": _rel(path), "reason": f"workload {d.get('workload')!r} keeps no trajectories "
+                            "and the run made no prediction with this cost model (bench_rollout --cost-model)"})
             continue
         runs.append({"file": _rel(path), "regime": regime_name(d), "load": (d.get("regime") or {}).get("load"),
                      "pressure": d.get("pressure"), "commit": (d.get("git") or {}).get("commit"),
+                     "written_at": d.get("written_at"), "cost_model": cost, "prediction": source,
                      "rows": compare(d, sim), "not_modelled": unmodelled_configs(d)})
     rows = [r for run in runs for r in run["rows"]]
     gain = [abs(r["gain_error"]) for r in rows if r["gain_error"] is not None and r["config"] != "openrlhf"]
     step = [abs(r["step_error"]) for r in rows]
     out = write_json(args.json, {
-        "benchmark": "simulator_validation", "cost_model": args.cost_model, "runs": runs, "skipped": skipped,
+        "benchmark": "simulator_validation", "cost_models": sorted(costs.values()), "runs": runs, "skipped": skipped,
         "comparisons": len(gain), "worst_abs_error": max(gain) if gain else None,
         "worst_abs_step_error": max(step) if step else None,
         "target_abs_error": 0.15,
     })
     for run in runs:
-        print(f"\n{run['file']}: {run['regime']}")
+        print(f"\n{run['file']}: {run['regime']} ({run['prediction']}, {run['cost_model']})")
         for r in run["rows"]:
             print(f"  {r['config']:<22} step {r['measured_step_s']:7.2f} s measured, {r['simulated_step_s']:7.2f} s "
                   f"simulated ({r['step_error']:+.0%}); x openrlhf {r['measured_x_openrlhf']} vs "

@@ -794,3 +794,58 @@ def long_run_reading(d: dict) -> str:
             f"{d['epochs']} epochs, the tiny local model, 2 engines). Target (no monitored quantity grows by more "
             f"than 10% between step {d['warm_up_step']} and the last step): "
             + ("met." if d["target_met"] else f"missed by {', '.join(f'`{q}`' for q in grown)}."))
+
+
+# ---- the simulator against real engines (tools/validate_simulator.py) -------------------------
+@renderer("simulator_validation")
+def simulator_validation(d: dict) -> str:
+    """Every real-engine run beside the simulator's prediction of it, per configuration."""
+    rows = []
+    for run in d["runs"]:
+        name = run["file"].rsplit("/", 1)[-1]
+        for r in run["rows"]:
+            gain = "-" if r["config"] == "openrlhf" or r["gain_error"] is None else f"{r['gain_error']:+.0%}"
+            lo, hi = r["measured_step_range"]
+            rows.append([f"`{name}`", run["regime"], f"`{r['config']}`", f"{r['measured_step_s']:.1f} ({lo:.1f}-{hi:.1f})",
+                         f"{r['simulated_step_s']:.1f}", f"{r['step_error']:+.0%}",
+                         num(r["measured_x_openrlhf"]), num(r["simulated_x_openrlhf"]), gain])
+    return md_table(["run", "regime", "config", "measured step s (min-max)", "simulated step s", "step error",
+                     "measured x openrlhf", "simulated x openrlhf", "gain error"],
+                    ["l", "l", "l", "r", "r", "r", "r", "r", "r"], rows)
+
+
+@renderer("simulator_validation_reading")
+def simulator_validation_reading(d: dict) -> str:
+    """The worst errors against the target, per run, and how far the measurements of one
+    configuration on the same work moved between runs (the floor of any model's error)."""
+    target = d["target_abs_error"]
+    worst = d["worst_abs_error"]
+    parts = [f"Over {d['comparisons']} comparisons of the gain over `openrlhf` in {len(d['runs'])} runs "
+             f"(cost models {', '.join(f'`{c}`' for c in d['cost_models'])}), the worst |simulated / measured - 1| "
+             f"is {worst:.0%} for the gain and {d['worst_abs_step_error']:.0%} for the step time: the target "
+             f"(<= {target:.0%} for every configuration) is **{'met' if worst <= target else 'missed'}**."]
+    per_run = []
+    for run in d["runs"]:
+        errs = [abs(r["gain_error"]) for r in run["rows"] if r["gain_error"] is not None and r["config"] != "openrlhf"]
+        steps = [abs(r["step_error"]) for r in run["rows"]]
+        if errs:
+            per_run.append(f"`{run['file'].rsplit('/', 1)[-1]}` {max(errs):.0%} (step {max(steps):.0%})")
+    if per_run:
+        parts.append("Worst gain error per run: " + "; ".join(per_run) + ".")
+    rows = [r for run in d["runs"] for r in run["rows"]]
+    inside = sum(1 for r in rows if r["within_measured_range"])
+    parts.append(f"{inside} of {len(rows)} simulated step times fall within the measured repeats' min-max.")
+    by_key: dict = {}
+    for run in d["runs"]:
+        for r in run["rows"]:
+            by_key.setdefault((run["regime"], r["config"]), []).extend(r["measured_step_range"])
+    moved = [(k, min(v), max(v)) for k, v in by_key.items() if min(v) > 0]
+    if moved:
+        (regime, config), lo, hi = max(moved, key=lambda m: m[2] / m[1])
+        parts.append(f"The same configuration on the same work measured differently from repeat to repeat: "
+                     f"`{config}` in {regime} took from {lo:.1f} s to {hi:.1f} s ({hi / lo:.2f}x) with the same "
+                     "trajectories, tool delays and KV; no prediction of the work can be within 15% of all of "
+                     "those.")
+    for s in d.get("skipped", []):
+        parts.append(f"Not compared: `{s['file'].rsplit('/', 1)[-1]}` ({s['reason']}).")
+    return " ".join(parts)
