@@ -835,17 +835,36 @@ def simulator_validation_reading(d: dict) -> str:
     rows = [r for run in d["runs"] for r in run["rows"]]
     inside = sum(1 for r in rows if r["within_measured_range"])
     parts.append(f"{inside} of {len(rows)} simulated step times fall within the measured repeats' min-max.")
-    by_key: dict = {}
-    for run in d["runs"]:
-        for r in run["rows"]:
-            by_key.setdefault((run["regime"], r["config"]), []).extend(r["measured_step_range"])
-    moved = [(k, min(v), max(v)) for k, v in by_key.items() if min(v) > 0]
-    if moved:
-        (regime, config), lo, hi = max(moved, key=lambda m: m[2] / m[1])
-        parts.append(f"The same configuration on the same work measured differently from repeat to repeat: "
-                     f"`{config}` in {regime} took from {lo:.1f} s to {hi:.1f} s ({hi / lo:.2f}x) with the same "
-                     "trajectories, tool delays and KV; no prediction of the work can be within 15% of all of "
-                     "those.")
+    spans = [(run, r) for run in d["runs"] for r in run["rows"] if r["measured_step_range"][0] > 0]
+    if spans:
+        run, r = max(spans, key=lambda x: x[1]["measured_step_range"][1] / x[1]["measured_step_range"][0])
+        lo, hi = r["measured_step_range"]
+        parts.append(f"One configuration on the same work, repeated in one run, moved by up to {hi / lo:.2f}x: "
+                     f"`{r['config']}` in `{run['file'].rsplit('/', 1)[-1]}` took from {lo:.1f} s to {hi:.1f} s "
+                     "with the same trajectories, tool delays and KV, so no prediction can be within 15% of "
+                     "every repeat there.")
     for s in d.get("skipped", []):
         parts.append(f"Not compared: `{s['file'].rsplit('/', 1)[-1]}` ({s['reason']}).")
     return " ".join(parts)
+
+
+@renderer("cost_models")
+def cost_models(*docs: dict) -> str:
+    """The fitted machine models side by side: in-process (the engine core alone) and as the
+    rollout's engine actors pay a step (tools/fit_serving_costs.py)."""
+    rows = []
+    for d in docs:
+        c = d["cost_model"]
+        serving = d["benchmark"] == "engine_step_costs_serving"
+        rows.append([f"`{d['model'].rstrip('/').rsplit('/', 1)[-1]}`",
+                     "engine actors (rollout)" if serving else "one engine in-process",
+                     f"{1e3 * c['step_overhead_s']:.2f}", f"{1e6 * c['decode_per_seq_s']:.0f}",
+                     f"{1e9 * c['kv_read_per_token_s']:.0f}", f"{1e6 * c['prefill_per_token_s']:.1f}",
+                     f"{1e3 * c['spec_step_s']:.2f}", f"{1e6 * c['draft_token_s']:.0f}",
+                     f"{1e9 * c.get('draft_context_token_s', 0.0):.0f}",
+                     f"{c.get('contention', 1.0):.2f}" if serving else "-",
+                     f"{100 * d['fit']['max_relative_error']:.0f}%"])
+    return md_table(["model", "measured through", "step ms", "per sequence us", "KV read ns/token",
+                     "prefill us/token", "drafting step ms", "draft token us", "draft context ns/token",
+                     "contention", "fit's worst run error"],
+                    ["l", "l", "r", "r", "r", "r", "r", "r", "r", "r", "r"], rows)
