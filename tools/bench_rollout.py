@@ -30,6 +30,8 @@ Configurations (``--configs``):
 * ``war_spec_only``: the WAR pool with OpenRLHF's placement (``least_loaded``: a prompt's samples
   stay on one engine), speculation ``auto``: the pool under the ``least_loaded`` router.
 * ``war_sched_only``: ``war`` dispatch, speculation ``off``.
+* ``war_spec_on``: ``war`` dispatch, speculation forced ``on`` (drafting every step, as vLLM's own
+  method does): what the load-aware switch adds or costs.
 * ``war_longest_first``: ``war`` with ``turn_priority: longest_first`` (each turn's vLLM priority from its
   trajectory's predicted remaining turns; every WAR engine of the run then schedules by priority)
 * ``war_finished_only``: ``war`` with in-flight sharing off: replicas draft from finished turns
@@ -83,6 +85,7 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war": ("war", "auto"),
     "war_spec_only": ("least_loaded", "auto"),
     "war_sched_only": ("war", "off"),
+    "war_spec_on": ("war", "on"),  # war with drafting forced on: the load-aware switch's ablation
     "war_sticky": ("sticky", "auto"),
     "war_sglang_cache_aware": ("sglang_cache_aware", "auto"),
     "war_dynamo_kv": ("dynamo_kv", "auto"),
@@ -207,6 +210,7 @@ def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> l
 # Each configuration as the simulator runs it: (dispatch policy, speculates).
 SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
                 "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
+                "war_spec_on": ("war", True),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
                 "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True),
                 "war_kv_events": ("war", True)}
