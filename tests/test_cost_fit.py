@@ -131,3 +131,19 @@ def test_spec_costs_are_fitted_on_top_of_the_plain_model():
     assert report["max_relative_error"] < 1e-6
     with pytest.raises(ValueError, match="at least 2 drafting runs"):
         fit_spec_costs(base, runs[:1])
+
+
+def test_both_cost_fits_price_a_shape_the_same_way():
+    """tools/bench_engine.py --fit-costs and tools/fit_serving_costs.py measure the same shapes and
+    turn each into the same work (one helper): a decode shape's steps, sequences and context."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_engine
+
+    shapes = bench_engine.fit_shapes(16384)
+    assert (1, 256, 0) in shapes and (16, 2048, 48) in shapes and (1, 16384, 0) not in shapes
+    r = bench_engine.step_run(2, 2048, 48, 4096, 1.0)
+    assert (r.kind, r.steps, r.decode_seqs, r.prefill_tokens) == ("decode", 49, 96, 4096)
+    assert r.context_tokens == 2 * 2048 + sum(2 * (2048 + k) for k in range(1, 49))  # prefill, then 48 decode reads

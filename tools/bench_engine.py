@@ -162,8 +162,6 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    from war_openrlhf.simulation.fit import StepRun
-
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # as the rollout's engines: one core each
     llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
               enable_prefix_caching=False, disable_log_stats=False)
@@ -184,14 +182,10 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
             if any(x is None or not x.last_token_ts for x in metrics):
                 raise RuntimeError("vLLM returned no per-request timestamps (disable_log_stats must be False)")
             seconds = max(x.last_token_ts for x in metrics) - min(x.scheduled_ts for x in metrics)
-            steps, ctx, pairs = _prefill_work(b, c, chunk)
-            ctx += sum(b * (c + k) for k in range(1, m + 1))
-            return StepRun("prefill" if m == 0 else "decode", steps + m, b * m, ctx, b * c, seconds, pairs)
+            return step_run(b, c, m, chunk, seconds)
 
         run(1, 64, 4)  # warm-up
-        shapes = [(1, c, 0) for c in (256, 1024, 4096, 8192, 16384) if c < max_len - 64]
-        shapes += [(b, c, 48) for b in (1, 2, 4, 8, 16) for c in (64, 2048, 8192)
-                   if c < max_len - 80 and b * c <= 65536]
+        shapes = fit_shapes(max_len)
         samples = {shape: [] for shape in shapes}
         for _ in range(repeats):  # shapes interleaved, so slow phases of the machine hit all of them
             for shape in shapes:
@@ -200,6 +194,25 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
         return [sorted(v, key=lambda r: r.seconds)[len(v) // 2] for v in samples.values()], limits
     finally:
         _shutdown(llm)
+
+
+def fit_shapes(max_len):
+    """(sequences, prompt tokens, decode steps) the cost fit measures: prefills of 256-16k tokens,
+    48 decode steps of 1-16 sequences over 64-8k token prompts (those that fit ``max_len``)."""
+    shapes = [(1, c, 0) for c in (256, 1024, 4096, 8192, 16384) if c < max_len - 64]
+    shapes += [(b, c, 48) for b in (1, 2, 4, 8, 16) for c in (64, 2048, 8192)
+               if c < max_len - 80 and b * c <= 65536]
+    return shapes
+
+
+def step_run(b, c, m, chunk, seconds):
+    """The work of one measured shape as the fit sees it: ``b`` prompts of ``c`` tokens prefilled in
+    chunks of ``chunk``, then ``m`` decode steps of ``b`` sequences, in ``seconds``."""
+    from war_openrlhf.simulation.fit import StepRun
+
+    steps, ctx, pairs = _prefill_work(b, c, chunk)
+    ctx += sum(b * (c + k) for k in range(1, m + 1))
+    return StepRun("prefill" if m == 0 else "decode", steps + m, b * m, ctx, b * c, seconds, pairs)
 
 
 def _prefill_work(b, c, chunk):

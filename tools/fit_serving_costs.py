@@ -40,13 +40,6 @@ sys.path.insert(0, str(ROOT / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def shapes(max_len: int) -> list[tuple[int, int, int]]:
-    """(sequences, prompt tokens, decode steps): bench_engine's --fit-costs shapes."""
-    out = [(1, c, 0) for c in (256, 1024, 4096, 8192, 16384) if c < max_len - 64]
-    out += [(b, c, 48) for b in (1, 2, 4, 8, 16) for c in (64, 2048, 8192) if c < max_len - 80 and b * c <= 65536]
-    return out
-
-
 def _run_shape(handles, b: int, c: int, m: int, rng, vocab: int) -> list[float]:
     """Each engine in ``handles`` runs ``b`` fresh prompts of ``c`` tokens, ``m + 1`` tokens each,
     all at once; per engine, seconds from its first request's start to its last one's end as the
@@ -68,14 +61,12 @@ def measure(handles, max_len: int, repeats: int, chunk: int, vocab: int, seed: i
     ``repeats``) and, per shape, the median over repeats and engines of the seconds with every
     engine running it."""
     import numpy as np
-    from bench_engine import _prefill_work
+    from bench_engine import fit_shapes, step_run
     from tqdm import tqdm
-
-    from war_openrlhf.simulation.fit import StepRun
 
     rng = np.random.default_rng(seed)
     _run_shape(handles, 1, 64, 4, rng, vocab)  # warm-up
-    todo = shapes(max_len)
+    todo = fit_shapes(max_len)
     alone = {s: [] for s in todo}
     together = {s: [] for s in todo}
     with tqdm(total=len(todo) * repeats, desc="shapes", unit="shape") as bar:
@@ -88,12 +79,7 @@ def measure(handles, max_len: int, repeats: int, chunk: int, vocab: int, seed: i
                     else:
                         together[s].extend(_run_shape(handles, *s, rng, vocab))
                 bar.update()
-    runs = []
-    for (b, c, m), secs in alone.items():
-        steps, ctx, pairs = _prefill_work(b, c, chunk)
-        ctx += sum(b * (c + k) for k in range(1, m + 1))
-        runs.append(StepRun("prefill" if m == 0 else "decode", steps + m, b * m, ctx, b * c,
-                            statistics.median(secs), pairs))
+    runs = [step_run(b, c, m, chunk, statistics.median(secs)) for (b, c, m), secs in alone.items()]
     ratios = {f"{b}x{c}+{m}": statistics.median(together[(b, c, m)]) / statistics.median(alone[(b, c, m)])
               for (b, c, m) in todo}
     return runs, ratios, {f"{b}x{c}+{m}": {"alone": alone[(b, c, m)], "together": together[(b, c, m)]}
