@@ -102,6 +102,57 @@ def test_a_blocking_tool_is_stopped_at_its_deadline_and_delays_only_its_own_epis
     assert wall < 2.0  # the deadline fired while the tool still blocked its thread
 
 
+def test_agents_on_the_pools_loop_run_the_same_episode_on_the_callers_thread():
+    """agent_runner: loop: reset/step run on the pool's own loop and thread (no hop), and the
+    episode is the one agent_runner: thread gives."""
+    import threading
+
+    seen = []
+
+    class Where(_agent()):
+        async def reset(self, states, **kwargs):
+            seen.append((threading.get_ident(), asyncio.get_running_loop()))
+            return await super().reset(states, **kwargs)
+
+        async def step(self, states, **kwargs):
+            seen.append((threading.get_ident(), asyncio.get_running_loop()))
+            return await super().step(states, **kwargs)
+
+    async def one(runner):
+        seen.clear()
+        traj = await _episode(FakeService(), Where, _cfg(agent_runner=runner))
+        return traj, list(seen), (threading.get_ident(), asyncio.get_running_loop())
+
+    on_loop, where_loop, caller = asyncio.run(one("loop"))
+    on_thread, where_thread, caller_t = asyncio.run(one("thread"))
+    assert where_loop == [caller, caller]  # same thread and loop as the pool
+    assert all(w[0] != caller_t[0] and w[1] is not caller_t[1] for w in where_thread)
+    assert (on_loop.token_ids, on_loop.action_mask, on_loop.reward, on_loop.end_reason) == \
+        (on_thread.token_ids, on_thread.action_mask, on_thread.reward, on_thread.end_reason)
+
+
+def test_an_agent_on_the_loop_is_stopped_at_its_deadline_when_it_awaits_and_failed_when_it_blocks_past_it():
+    from war_openrlhf.rollout import episode
+
+    class Awaits(_agent()):
+        async def step(self, states, **kwargs):
+            await asyncio.sleep(3.0)
+
+    t0 = time.perf_counter()
+    traj = asyncio.run(_episode(FakeService(), Awaits, _cfg(agent_runner="loop", on_tool_error="end")))
+    assert traj.end_reason == "tool_error" and "timed out after 0.5 s" in traj.error
+    assert time.perf_counter() - t0 < 2.0
+    before = episode.LOOP_OVERRUNS["calls"]
+    traj = asyncio.run(_episode(FakeService(), _agent(block_s=0.8), _cfg(agent_runner="loop", on_tool_error="end")))
+    assert traj.end_reason == "tool_error" and "timed out" in traj.error  # returned, but past its deadline
+    assert episode.LOOP_OVERRUNS["calls"] == before + 1
+
+
+def test_an_unknown_agent_runner_is_refused_by_name():
+    with pytest.raises(ValueError, match="agent_runner: 'process' is not one of thread, loop"):
+        _cfg(agent_runner="process")
+
+
 @pytest.mark.parametrize("bad, field", [
     ({"done": "False"}, "'done' = 'False'"),
     ({"rewards": float("nan")}, "'rewards' = nan"),

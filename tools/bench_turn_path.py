@@ -11,6 +11,8 @@ the path a turn takes between two engine requests:
   war       WAR's ``RolloutPool`` in this process: agent on its episode's thread, a dispatch
             decision, the turn on the engine's turn channel (``turn_transport: direct``), log
             shipping and stats in the background
+  war_loop  the same pool with every agent on the pool's event loop (``agent_runner: loop``: no
+            thread hop per reset/step, as OpenRLHF runs agents on its actor's loop)
   war_ray   the same pool with a Ray actor call per turn (``turn_transport: ray``)
 
 Two measurements, each path in rotating order, ``--repeats`` times:
@@ -20,7 +22,7 @@ Two measurements, each path in rotating order, ``--repeats`` times:
   waits per turn beyond generation, on its critical path;
 - *throughput* (all episodes at once): turns per second of the whole batch.
 
-For the pool, the driver is profiled (cProfile) in one extra run per mode, its CPU time per turn
+For ``war`` and ``war_loop``, the driver is profiled (cProfile) in one extra run per mode, its CPU time per turn
 grouped by where it goes (Ray client, asyncio, agent thread hops, dispatch, log shipping, ...).
 
   python tools/bench_turn_path.py --json benchmarks/results/pool/turn_path.json
@@ -46,7 +48,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
 AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
-PATHS = ("openrlhf", "war", "war_ray")
+PATHS = ("openrlhf", "war", "war_loop", "war_ray")
+#: the pool paths whose driver is profiled
+PROFILED = ("war", "war_loop")
 #: where the pool's driver CPU goes, by the file a function lives in (first match wins)
 GROUPS = (("ray client", ("/ray/",)), ("asyncio & threads", ("asyncio/", "threading.py", "concurrent/futures")),
           ("agent & tools", ("trace_replay", "openrlhf/utils/agent")),
@@ -84,13 +88,13 @@ def run_openrlhf(handle, rows, tokenizer, max_len):
     return st["wall_s"]
 
 
-def pool_config(model, max_len, turn_transport="direct"):
+def pool_config(model, max_len, turn_transport="direct", agent_runner="thread"):
     from war_openrlhf.rollout import RolloutConfig
 
     engine = dict(model=str(model), dtype="float32", max_model_len=max_len, enforce_eager=True, speculation="none")
     return RolloutConfig(num_engines=1, agent_func_path=str(AGENT), n_samples_per_prompt=1, max_turns=1024,
                          max_context_tokens=max_len, temperature=1.0, progress=False, warm_up=False, engine=engine,
-                         turn_transport=turn_transport)
+                         turn_transport=turn_transport, agent_runner=agent_runner)
 
 
 def make_pool(cfg, handle, tokenizer):
@@ -137,7 +141,7 @@ def profile_pool(pool, rows, sequential) -> dict:
             name = next((g for g, keys in GROUPS if any(k in file for k in keys)), "other")
             top.append((tottime, f"{file.split('site-packages/')[-1]}:{line}({fn})", ncalls))
         groups[name] = groups.get(name, 0.0) + tottime
-    top = [{"function": f, "calls": n, "seconds": t} for t, f, n in sorted(top, reverse=True)[:20]]
+    top = [{"function": f, "calls": n, "seconds": t} for t, f, n in sorted(top, reverse=True)[:40]]
     return {"process_cpu_s": cpu, "profiled_s_by_group": groups, "top_functions": top}
 
 
@@ -176,6 +180,7 @@ def main(argv=None) -> int:
         cfg = pool_config(model, max_len)
         handle = create_war_engines(1, cfg.engine, agent_func_path=str(AGENT))[0]
         pools = {"war": make_pool(cfg, handle, tokenizer),
+                 "war_loop": make_pool(pool_config(model, max_len, agent_runner="loop"), handle, tokenizer),
                  "war_ray": make_pool(pool_config(model, max_len, "ray"), handle, tokenizer)}
         for path in PATHS:  # first-use costs (imports, the executor's agent module) stay out of the runs
             measure(path, handle, pools, work["throughput"][:2], tokenizer, max_len, sequential=False)
@@ -189,8 +194,10 @@ def main(argv=None) -> int:
                         raise SystemExit(f"{path}: the engine served {requests} requests for {turns[mode]} turns")
                     runs[(path, mode)].append({"wall_s": wall, "engine_s": eng_s})
                     print(f"  {mode} {path} run {r}: {wall:.2f} s, engine {eng_s:.2f} s", file=sys.stderr, flush=True)
-        profiles = {mode: profile_pool(pools["war"], work[mode], mode == "latency") for mode in MODES}
-        pools["war"].shutdown()
+        profiles = {(path, mode): profile_pool(pools[path], work[mode], mode == "latency")
+                    for path in PROFILED for mode in MODES}
+        for pool in pools.values():
+            pool.shutdown()
     finally:
         ray.shutdown()
 
@@ -211,18 +218,20 @@ def main(argv=None) -> int:
             rows_out.append(row)
     lat = {r["path"]: r for r in rows_out if r["mode"] == "latency"}
     ratio = lat["war"]["path_per_turn_us_median"] / lat["openrlhf"]["path_per_turn_us_median"]
-    profile_rows = [{"mode": mode, "group": g, "driver_cpu_per_turn_us": 1e6 * s / turns[mode]}
-                    for mode, p in profiles.items()
+    ratios = {p: lat[p]["path_per_turn_us_median"] / lat["openrlhf"]["path_per_turn_us_median"]
+              for p in PATHS if p != "openrlhf"}
+    profile_rows = [{"path": path, "mode": mode, "group": g, "driver_cpu_per_turn_us": 1e6 * s / turns[mode]}
+                    for (path, mode), p in profiles.items()
                     for g, s in sorted(p["profiled_s_by_group"].items(), key=lambda kv: -kv[1])]
-    for mode, p in profiles.items():
-        profile_rows.append({"mode": mode, "group": "process CPU total (every thread)",
+    for (path, mode), p in profiles.items():
+        profile_rows.append({"path": path, "mode": mode, "group": "process CPU total (every thread)",
                              "driver_cpu_per_turn_us": 1e6 * p["process_cpu_s"] / turns[mode]})
     print(format_table(rows_out, [("mode", "mode", ""), ("path", "path", ""),
                                   ("wall_per_turn_us_median", "wall us/turn", ".0f"),
                                   ("path_per_turn_us_median", "path us/turn", ".0f"),
                                   ("turns_per_s_median", "turns/s", ".1f")]))
-    print(f"war path / openrlhf path per turn (latency): {ratio:.2f}")
-    print(format_table(profile_rows, [("mode", "mode", ""), ("group", "group", ""),
+    print("path per turn x openrlhf's (latency): " + ", ".join(f"{p} {r:.2f}" for p, r in ratios.items()))
+    print(format_table(profile_rows, [("path", "path", ""), ("mode", "mode", ""), ("group", "group", ""),
                                       ("driver_cpu_per_turn_us", "driver us/turn", ".0f")]))
     write_json(args.json, {
         "benchmark": "turn_path",
@@ -230,8 +239,8 @@ def main(argv=None) -> int:
                    f"latency: {args.latency_episodes} episodes x {args.latency_turns} turns one after the other, "
                    f"throughput: {args.episodes} episodes x {args.turns} turns at once"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "rows": rows_out, "profile": profile_rows, "war_path_x_openrlhf_path": ratio,
-        "top_functions": {mode: p["top_functions"] for mode, p in profiles.items()}})
+        "rows": rows_out, "profile": profile_rows, "war_path_x_openrlhf_path": ratio, "path_x_openrlhf_path": ratios,
+        "top_functions": {f"{path}/{mode}": p["top_functions"] for (path, mode), p in profiles.items()}})
     return 0
 
 

@@ -26,6 +26,7 @@ from ..engine.config import EngineConfig
 ON_TOOL_ERROR = ("observe", "end")
 ENGINE_RECOVERY = ("off", "reinstate", "restart")
 TURN_TRANSPORTS = ("direct", "ray")
+AGENT_RUNNERS = ("thread", "loop")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class RolloutConfig:
     tool_timeout_s: float = 30.0
     on_tool_error: str = "observe"
     engine_retries: int = 3
-    max_agent_calls_in_flight: int = 256  # agent reset/step calls running at once (each on its episode's thread)
+    max_agent_calls_in_flight: int = 256  # agent reset/step calls running at once
+    agent_runner: str = "thread"  # thread: each episode's agent on its own thread; loop: on the pool's event loop
     turn_timeout_s: float = 900.0  # an engine silent this long on one turn is hung: treated as dead
     log_sync_interval_s: float = 0.05
     stats_interval_s: float = 2.0
@@ -105,6 +107,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.turn_transport: '{self.turn_transport}' is not one of "
                              f"{', '.join(TURN_TRANSPORTS)} (direct: each turn on a TCP connection to its engine "
                              "actor; ray: a Ray actor call per turn)")
+        if self.agent_runner not in AGENT_RUNNERS:
+            raise ValueError(f"RolloutConfig.agent_runner: '{self.agent_runner}' is not one of "
+                             f"{', '.join(AGENT_RUNNERS)} (thread: each episode's agent on a thread of its own, "
+                             "a blocking tool stalls only its episode; loop: agents on the pool's event loop, "
+                             "for agents whose tools never block it)")
         if self.turn_priority not in ("none", "longest_first"):
             raise ValueError(f"RolloutConfig.turn_priority: '{self.turn_priority}' is not one of none, longest_first")
         if self.turn_priority != "none" and self.engine.scheduling_policy != "priority":

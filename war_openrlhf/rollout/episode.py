@@ -5,8 +5,9 @@ token for token (the prompt and each environment feedback are tokenized with
 ``add_special_tokens=False`` and appended to the model's own sampled tokens, never re-tokenized;
 the feedback of the last step too, agent.py:148-169), and shows the agent what it shows
 (:mod:`.agents` lists it), so a trajectory from the pool and one from OpenRLHF's executor are
-interchangeable for the trainer. The agent runs in this process, on a thread of its own
-(:class:`AgentThread`), not in an engine actor. What differs:
+interchangeable for the trainer. The agent runs in this process, not in an engine actor: on a
+thread of its own (:class:`AgentThread`, ``agent_runner: thread``) or on the pool's event loop
+(:class:`AgentOnLoop`, ``agent_runner: loop``, as OpenRLHF runs it on its actor's loop). What differs:
 
 * each turn goes through the pool (``TurnService.generate_turn``), which picks the engine
   per turn, re-dispatches it if an engine dies, and records it in the global suffix index;
@@ -24,6 +25,7 @@ interchangeable for the trainer. The agent runs in this process, on a thread of 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import traceback
 from typing import Any, Protocol, Sequence
@@ -34,6 +36,8 @@ from .agents import (WAR_TURN_LIMITS, AgentContractError, check_step_result, eng
 from .config import RolloutConfig
 from .trajectory import Trajectory, TurnRecord
 from .turn_result import TurnResult
+
+log = logging.getLogger(__name__)
 
 
 class TurnService(Protocol):
@@ -111,6 +115,45 @@ class AgentThread:
 ABANDONED = {"calls": 0}
 
 
+class AgentOnLoop:
+    """One episode's agent on the pool's own event loop (``agent_runner: loop``).
+
+    No thread and no cross-thread hop per ``reset`` / ``step`` (two wake-ups of another thread and
+    a GIL hand-over each: ``docs/benchmarks.md`` measures the turn path both ways). The price is
+    OpenRLHF's: a tool that blocks instead of awaiting stalls every episode, and its deadline can
+    only fire once it yields. A call that returns past its deadline is therefore failed as a
+    timeout all the same, counted in :data:`LOOP_OVERRUNS`, and logged once per process with the
+    remedy (``agent_runner: thread``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def call(self, coro, timeout_s: float, limiter: asyncio.Semaphore | None = None):
+        if limiter is not None:
+            await limiter.acquire()
+        try:
+            started = time.monotonic()
+            result = await asyncio.wait_for(coro, timeout_s)
+            if time.monotonic() - started > timeout_s:  # it blocked the loop past its deadline
+                LOOP_OVERRUNS["calls"] += 1
+                if LOOP_OVERRUNS["calls"] == 1:
+                    log.warning("agent of %s blocked the pool's event loop past tool_timeout_s (%g s): with "
+                                "agent_runner: loop a blocking tool stalls every episode; use agent_runner: "
+                                "thread for it", self.name, timeout_s)
+                raise asyncio.TimeoutError
+            return result
+        finally:
+            if limiter is not None:
+                limiter.release()
+
+    def close(self) -> None:
+        pass
+
+
+#: ``agent_runner: loop`` calls that returned only after their deadline (they blocked the loop).
+LOOP_OVERRUNS = {"calls": 0}
+
+
 def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
     """A reproducible per-request sampling seed (None: vLLM's own randomness)."""
     if seed is None:
@@ -127,7 +170,7 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
     t0 = time.perf_counter() if t0 is None else t0
     start = time.perf_counter()
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label)
-    agent = AgentThread(trajectory_id)
+    agent = AgentThread(trajectory_id) if cfg.agent_runner == "thread" else AgentOnLoop(trajectory_id)
     try:
         await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent, limiter)
     except AgentContractError as exc:  # the agent file's bug: named, never trained on
@@ -147,7 +190,7 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
 
 
 async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, traj: Trajectory,
-               t0: float, agent: AgentThread, limiter: asyncio.Semaphore | None = None) -> None:
+               t0: float, agent: AgentThread | AgentOnLoop, limiter: asyncio.Semaphore | None = None) -> None:
     where = f"{cfg.agent_func_path or agent_cls.__name__}: "
     instance = agent_cls()
     reset = await agent.call(instance.reset({"observation": traj.prompt, "label": traj.label}), cfg.tool_timeout_s,
@@ -265,7 +308,7 @@ def _append_turn(traj: Trajectory, out: TurnResult, params: dict[str, Any], turn
     return rec
 
 
-async def _tool_step(service: TurnService, agent: "AgentThread", instance: Any, states: dict[str, Any],
+async def _tool_step(service: TurnService, agent: "AgentThread | AgentOnLoop", instance: Any, states: dict[str, Any],
                      cfg: RolloutConfig, traj: Trajectory, rec: TurnRecord, limiter: asyncio.Semaphore | None,
                      where: str) -> dict[str, Any] | None:
     """The environment's step after a turn, the trajectory parked on its engine meanwhile. A failing
