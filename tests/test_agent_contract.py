@@ -406,3 +406,38 @@ def test_the_trace_replay_agent_bounds_every_turn_on_both_paths(tok, monkeypatch
         assert [(sp["max_tokens"], sp["min_tokens"], sp["ignore_eos"]) for _, sp in requests] == \
             [(n, n, True) for n in lengths]
     assert to_openrlhf_response(traj)["observation_tokens"] == ours["observation_tokens"]
+
+
+def test_a_turns_request_fields_equal_the_attribute_by_attribute_reference():
+    """engine_sampling_kwargs reads a SamplingParams as one tuple: for random parameter sets it
+    sends exactly the fields that differ from vLLM's defaults (and max_tokens), as reading every
+    attribute would, and the engine's SamplingParams(**fields) equals the agent's."""
+    from war_openrlhf.rollout.agents import _DERIVED_FIELDS, engine_sampling_kwargs
+
+    default = SamplingParams()
+    rng = random.Random(7)
+    for _ in range(200):
+        kw = {"max_tokens": rng.randint(1, 64)}
+        if rng.random() < 0.5:
+            kw["temperature"] = rng.choice([0.0, 0.7, 1.0, 1.3])
+        if rng.random() < 0.5:
+            kw["top_p"] = rng.choice([0.5, 0.9, 1.0])
+        if rng.random() < 0.3:
+            kw["top_k"] = rng.choice([-1, 5, 50])
+        if rng.random() < 0.3:
+            kw["stop"] = rng.choice([["</tool_call>"], ["a", "b"]])
+        if rng.random() < 0.3:
+            kw["seed"] = rng.randint(0, 99)
+        if rng.random() < 0.3:
+            kw["skip_special_tokens"] = False
+        if rng.random() < 0.3:
+            kw["presence_penalty"] = 0.5
+        params = SamplingParams(**kw)
+        reference = {name: getattr(params, name) for name in SamplingParams.__struct_fields__
+                     if not name.startswith("_") and name not in _DERIVED_FIELDS
+                     and (name == "max_tokens" or getattr(params, name) != getattr(default, name))}
+        if reference.get("seed") is None:
+            reference["seed"] = 11
+        if reference.get("logprobs") is None:
+            reference["logprobs"] = 0
+        assert engine_sampling_kwargs(params, {}, 11, "agent.py: ") == reference

@@ -24,6 +24,7 @@ import numpy as np
 from ..dispatch import EngineState
 from ..engine.stats import EngineStats
 from ..engine.turn_channel import ChannelClosed, RemoteError, TurnChannelClient
+from .deadline import within
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class EngineClient:
         if timeout_s is None:
             return self._took_load(await turn())
         try:
-            return self._took_load(await asyncio.wait_for(turn(), timeout_s))
+            return self._took_load(await within(turn(), timeout_s))
         except asyncio.TimeoutError:
             exc = TimeoutError(f"no answer to a turn within {timeout_s:g} s: treated as hung")
             self.mark_dead(exc)

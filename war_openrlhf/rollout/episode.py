@@ -34,6 +34,7 @@ from .action_text import action_text as vllm_text
 from .agents import (WAR_TURN_LIMITS, AgentContractError, check_step_result, engine_sampling_kwargs,
                      initial_sampling_params, turn_limits)
 from .config import RolloutConfig
+from .deadline import within
 from .trajectory import Trajectory, TurnRecord
 from .turn_result import TurnResult
 
@@ -133,7 +134,7 @@ class AgentOnLoop:
             await limiter.acquire()
         try:
             started = time.monotonic()
-            result = await asyncio.wait_for(coro, timeout_s)
+            result = await within(coro, timeout_s)
             if time.monotonic() - started > timeout_s:  # it blocked the loop past its deadline
                 LOOP_OVERRUNS["calls"] += 1
                 if LOOP_OVERRUNS["calls"] == 1:
