@@ -7,11 +7,13 @@ every waiting request at once and never hangs it."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from war_openrlhf.engine.turn_channel import (ChannelClosed, RemoteError, TurnChannelClient, TurnChannelServer)
+from war_openrlhf.engine.turn_channel import (TOKEN_BYTES, ChannelClosed, RemoteError, TurnChannelClient,
+                                              TurnChannelServer)
 from war_openrlhf.rollout.engine_client import actor_died
 
 
@@ -192,3 +194,51 @@ def test_turn_answers_keep_the_load_fresh_and_polls_skip_until_the_step_cost_is_
         assert Engine.polls == 3
 
     _run(main())
+
+
+class _RemoteMethod:
+    """A Ray actor method's shape (``.options(...).remote(*args)`` -> awaitable) over a coroutine."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def options(self, **_kwargs):
+        return self
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("failure, retried", [(asyncio.TimeoutError, True), (ConnectionRefusedError, False)])
+def test_a_channel_that_timed_out_opening_is_tried_again_at_the_next_batch_a_refused_one_is_not(
+        failure, retried, monkeypatch):
+    """A connection that only took too long (a loop busy with thousands of first turns) must not
+    send every later batch's turns over Ray; a refused port (a firewall) stays off."""
+    from war_openrlhf.rollout.engine_client import EngineClient
+
+    async def address():
+        return {"host": "127.0.0.1", "port": 1, "token": b"x" * TOKEN_BYTES}
+
+    async def never(*_args):
+        raise AssertionError("no turn is sent here")
+
+    handle = SimpleNamespace(generate_tokens=_RemoteMethod(never), turn_channel=_RemoteMethod(address))
+    attempts = []
+
+    async def failing_connect(cls, addr, timeout_s=10.0):
+        attempts.append(addr["port"])
+        raise failure("no connection")
+
+    monkeypatch.setattr(TurnChannelClient, "connect", classmethod(failing_connect))
+    client = EngineClient(0, handle)
+
+    async def two_batches():
+        await client.open_channel()
+        first = client.channel_off_reason
+        await client.open_channel()
+        return first
+
+    first = asyncio.run(two_batches())
+    assert first is not None and "no connection" in first  # the reason is kept
+    assert len(attempts) == (2 if retried else 1)
+    assert client.healthy

@@ -103,6 +103,7 @@ import numpy as np
 from .base import DEFER, DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
 from .remaining_work import SiblingRecords
+from .live_table import LiveTable
 from .turn_costs import PRIOR_RATES, TurnCosts
 
 ADMISSION_ORDERS = ("fifo", "longest_first")
@@ -114,18 +115,42 @@ _PRIOR_PER_SEQ = PRIOR_RATES[2] / PRIOR_RATES[1]  # until the first snapshot tel
 
 
 class _Live:
-    """What WAR tracks of a live trajectory."""
+    """What WAR tracks of a live trajectory; its engine, turns done and tokens are its row of
+    the policy's :class:`~.live_table.LiveTable` (read by the footprint projection)."""
 
-    __slots__ = ("engine", "turns", "expect_hit", "arrival", "finish", "last_n", "tokens")
+    __slots__ = ("_table", "row", "expect_hit", "arrival", "finish", "last_n")
 
-    def __init__(self, engine: int, n: int, arrival: Optional[float]) -> None:
-        self.engine = engine
-        self.turns = 0            # turns finished
+    def __init__(self, table: LiveTable, engine: int, n: int, arrival: Optional[float]) -> None:
+        self._table = table
+        self.row = table.add(engine, 0, n)  # turns finished: 0; tokens: context + responses so far
         self.expect_hit = 0       # own prefix its engine should still hold at this turn
         self.arrival = arrival    # clock time its current turn became ready
         self.finish = None        # clock time its last turn finished
         self.last_n = n           # context length at its last dispatch
-        self.tokens = n           # context + responses so far
+
+    @property
+    def engine(self) -> int:
+        return int(self._table.engine[self.row])
+
+    @engine.setter
+    def engine(self, value: int) -> None:
+        self._table.engine[self.row] = value
+
+    @property
+    def turns(self) -> int:
+        return int(self._table.turns[self.row])
+
+    @turns.setter
+    def turns(self, value: int) -> None:
+        self._table.turns[self.row] = value
+
+    @property
+    def tokens(self) -> int:
+        return int(self._table.tokens[self.row])
+
+    @tokens.setter
+    def tokens(self, value: int) -> None:
+        self._table.tokens[self.row] = value
 
 
 @dataclass(frozen=True)
@@ -215,6 +240,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self.last_fluid: dict = {}
         # live trajectories and the admission limit
         self._live: Dict[str, _Live] = {}
+        self._live_table = LiveTable()  # their engines, turns and tokens as columns
         self.live = [0] * E
         self.expected_reuse = [0] * E         # own-prefix tokens that should have hit
         self.reprefilled = [0] * E            # ... and were recomputed instead
@@ -346,7 +372,7 @@ class WarDispatchPolicy(DispatchPolicy):
         g = self.growth_per_turn()
         surv = self._survival()
         if surv is None:
-            tot = float(sum(owns) + len(owns) * g)
+            tot = float(np.sum(owns) + len(owns) * g)
             return np.array([tot]), np.zeros(1)
         H = len(surv)
         if not len(ks):
@@ -365,12 +391,8 @@ class WarDispatchPolicy(DispatchPolicy):
         c = self._curves[e]
         if c is None:
             shared = self._shared0_sum / max(self._x0_count, 1)
-            ks, owns = [], []
-            for rec in self._live.values():
-                if rec.engine == e:
-                    ks.append(rec.turns)
-                    owns.append(max(rec.tokens - shared, 0.0))
-            c = self._curves[e] = self._curve(ks, owns)
+            ks, tokens = self._live_table.of_engine(e)
+            c = self._curves[e] = self._curve(ks, np.maximum(tokens - shared, 0.0))
         return c
 
     @staticmethod
@@ -549,7 +571,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self._x0_sum += n - cached
         self._shared0_sum += cached
         self._x0_count += 1
-        self._live[tid] = _Live(chosen, n, arrival_s)
+        self._live[tid] = _Live(self._live_table, chosen, n, arrival_s)
         self.live[chosen] += 1
         self._curves[chosen] = None
         self.index.touch(chosen, traj.hashes)
@@ -593,7 +615,7 @@ class WarDispatchPolicy(DispatchPolicy):
         traj.engine = engine_id
         rec = self._live.get(tid)
         if rec is None:
-            rec = self._live[tid] = _Live(engine_id, traj.n_tokens, None)
+            rec = self._live[tid] = _Live(self._live_table, engine_id, traj.n_tokens, None)
             self.live[engine_id] += 1
         elif rec.engine != engine_id:
             self.live[rec.engine] -= 1
@@ -686,14 +708,16 @@ class WarDispatchPolicy(DispatchPolicy):
         group = self._group_of.pop(trajectory_id, None)
         if rec is not None:
             self.live[rec.engine] -= 1
-            self._finished_turns.append(rec.turns)
-            self._finished_sum += rec.turns
+            turns = rec.turns
+            self._live_table.remove(rec.row)
+            self._finished_turns.append(turns)
+            self._finished_sum += turns
             if len(self._finished_turns) > self.SURVIVAL_HISTORY:  # one huge batch: its latest
                 self._forget_finished(len(self._finished_turns) - self.SURVIVAL_HISTORY)
             self._surv = self._remaining = None
             self._curves = [None] * self.num_engines
             if group is not None:
-                self.siblings.finished(trajectory_id, group, rec.turns)
+                self.siblings.finished(trajectory_id, group, turns)
 
     @property
     def orders_admission(self) -> bool:

@@ -520,6 +520,41 @@ def _ray_turns(lat: dict, thr: dict) -> str:
             f"{thr['war_ray']['turns_per_s_median']:.1f} turns/s all at once.")
 
 
+# ---- one step of thousands of episodes (tools/bench_step_scale.py) ----------------------
+@renderer("step_scale")
+def step_scale(d: dict) -> str:
+    rows = [[r["agent_runner"], str(r["episodes_lost_or_failed"]), spread_text(r["wall_s"], ".1f"),
+             spread_text(r["turns_per_s"], ".0f"), spread_text(r["driver_cpu_per_turn_us"], ".0f"),
+             spread_text(r["peak_threads"], ".0f"), spread_text(r["peak_log_lag_records"], ".0f"),
+             spread_text(r["peak_rss_above_idle_mib"], ".0f"),
+             spread_text(r["peak_rss_above_idle_kib_per_episode"], ".1f")] for r in d["rows"]]
+    return md_table(["agent_runner", "episodes lost", "step s", "turns / s", "driver CPU us / turn",
+                     "threads (peak)", "log lag, records (peak)", "driver RSS + MiB (peak)", "KiB / episode"],
+                    ["l"] + ["r"] * 8, rows)
+
+
+@renderer("step_scale_profile")
+def step_scale_profile(d: dict) -> str:
+    runners = list(dict.fromkeys(r["agent_runner"] for r in d["profile"]))
+    by_group: dict[str, dict[str, float]] = {}
+    for r in d["profile"]:
+        by_group.setdefault(r["group"], {})[r["agent_runner"]] = r["driver_us_per_turn"]
+    rows = [[g] + [num(v.get(r), ".0f") for r in runners] for g, v in by_group.items()]
+    return md_table(["where (pool driver, event-loop thread)"] + [f"{r}: us / turn" for r in runners],
+                    ["l"] + ["r"] * len(runners), rows)
+
+
+@renderer("step_scale_reading")
+def step_scale_reading(d: dict) -> str:
+    best = min(d["rows"], key=lambda r: r["driver_cpu_per_turn_us"]["median"])
+    lost = sum(r["episodes_lost_or_failed"] for r in d["rows"])
+    served = all(r["all_turns_served"] for r in d["rows"])
+    return (f"Episodes lost or failed: {lost}{'' if served else ' (some turns were not served)'}. Lowest pool CPU "
+            f"per turn: `agent_runner: {best['agent_runner']}`, {best['driver_cpu_per_turn_us']['median']:.0f} us "
+            f"(median of the runs). Target (0 lost and <= {d['target_us_per_turn']:.0f} us per turn): "
+            f"{'met' if d['target_met'] else 'missed'}. ({d['regime']}; {load_note(d)})\n")
+
+
 # ---- real-engine rollouts (tools/bench_rollout.py) ----------------------------------------
 ROUTER_CONFIGS = ("war_sticky", "war_sglang_cache_aware", "war_dynamo_kv", "war_verl_kv_aware")
 

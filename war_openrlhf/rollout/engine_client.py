@@ -104,6 +104,7 @@ class EngineClient:
         self._channel_address: dict[str, Any] | None = None
         self._channel_lock: tuple[Any, asyncio.Lock] | None = None  # (event loop, its lock)
         self.channel_off_reason: str | None = None  # why turns go over Ray although direct was asked
+        self._channel_retry = False  # the channel timed out opening: tried again at the next batch
         self.channel_fallbacks = 0  # turns sent over Ray after their channel closed under them
         self.channel_turns = 0  # turns answered on the channel
         self.healthy = True
@@ -240,10 +241,25 @@ class EngineClient:
                 raise
             except Exception as exc:  # noqa: BLE001 - unreachable port, firewall: Ray carries the turns
                 self.channel_off_reason = f"{type(exc).__name__}: {exc}"[:300]
-                log.warning("engine %d: no turn channel (%s); its turns go over Ray calls", self.index,
-                            self.channel_off_reason)
+                # a connection that only took too long (a loop busy with thousands of episodes) is
+                # tried again at the next batch; a refused or unreachable one stays off
+                self._channel_retry = isinstance(exc, asyncio.TimeoutError)
+                log.warning("engine %d: no turn channel (%s); its turns go over Ray calls%s", self.index,
+                            self.channel_off_reason, " until the next batch" if self._channel_retry else "")
                 return None
             return self._channel
+
+    async def open_channel(self) -> None:
+        """Open this loop's turn channel now (the pool: before a batch's episodes start, while its
+        loop is idle, so that thousands of first turns do not race the connection's deadline).
+        A channel that timed out in an earlier batch is tried again; errors leave turns on Ray."""
+        if self._channel_retry:
+            self.channel_off_reason, self._channel_retry = None, False
+        if self.healthy:
+            try:
+                await within(self._turn_channel(), self.CHANNEL_TIMEOUT_S)
+            except (EngineDead, asyncio.TimeoutError):
+                pass  # a silent engine: its first turn tries again within the turn's deadline
 
     def close_channel(self) -> None:
         """Close this engine's turn channel (the pool: at the end of a batch, whose event loop ends)."""

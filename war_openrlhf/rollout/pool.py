@@ -295,6 +295,7 @@ class RolloutPool:
             self._restored = False
         if self.config.kv_events:
             await self.router.poll_kv_events()  # what changed in the caches between batches
+        await asyncio.gather(*(e.open_channel() for e in self.engines))  # on an idle loop, before any turn
         self._episode_retries = 0
         turns0 = [e.turns for e in self.engines]
         t0 = time.perf_counter()
