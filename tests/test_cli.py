@@ -183,3 +183,33 @@ def test_every_shipped_run_config_passes_war_trains_checks(name, run_args, monke
     assert settings.engine.trust_remote_code  # as OpenRLHF's engines
     assert settings.engine.weight_sync_dtype == {"bf16": "bfloat16", "fp16": "float16"}[
         section.get("ds.param_dtype", "bf16")]
+
+
+@pytest.mark.parametrize("user_value", [None, "50000"])
+def test_a_ray_started_here_keeps_a_bounded_number_of_task_events(user_value):
+    """Ray's GCS keeps every task's events up to its cap (100,000 by default) and grew with a
+    long job's steps; war-train starting Ray caps it at GCS_TASK_EVENTS, unless the user's own
+    RAY_task_events_max_num_task_in_gcs says otherwise. A fresh process (ray.init replaced)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent('''
+        import json, ray
+        import war_openrlhf.cli.train_ppo as cli
+        calls = []
+        ray.is_initialized = lambda: False
+        ray.init = lambda *a, **k: calls.append(k.get("_system_config"))
+        cli._ray_init(None)
+        print(json.dumps({"calls": calls, "cap": cli.GCS_TASK_EVENTS}))
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != "RAY_task_events_max_num_task_in_gcs"}
+    if user_value:
+        env["RAY_task_events_max_num_task_in_gcs"] = user_value
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = None if user_value else {"task_events_max_num_task_in_gcs": got["cap"]}
+    assert got["calls"] == [want] and got["cap"] < 100_000

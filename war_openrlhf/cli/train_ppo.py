@@ -164,6 +164,13 @@ def _ray_env() -> dict[str, str]:
     return env
 
 
+#: Tasks whose events the Ray GCS started here keeps for its dashboard (Ray's default is 100,000).
+#: A trainer step makes a few hundred Ray calls, and over 300 steps the GCS grew by ~0.2 MiB a step
+#: towards that cap (``tools/long_run.py``); keeping the last 10,000 bounds it early. An explicit
+#: ``RAY_task_events_max_num_task_in_gcs`` wins; a joined cluster keeps its own setting.
+GCS_TASK_EVENTS = 10_000
+
+
 def _ray_init(address: str | None = None) -> str:
     """Start Ray here, or join the cluster at ``address``; returns the run's device.
 
@@ -205,6 +212,8 @@ def _ray_init(address: str | None = None) -> str:
         # Logical CPUs: every OpenRLHF actor that asks for a (logical) GPU also holds a CPU,
         # and each engine holds one; engines are pinned to their own core regardless.
         kwargs["num_cpus"] = max(8, 2 * (os.cpu_count() or 1))
+    if "RAY_task_events_max_num_task_in_gcs" not in os.environ:
+        kwargs["_system_config"] = {"task_events_max_num_task_in_gcs": GCS_TASK_EVENTS}
     if not ray.is_initialized():
         ray.init(**kwargs)
     return device
