@@ -322,3 +322,42 @@ def test_a_pool_with_bad_dispatcher_options_is_refused_before_any_engine_starts(
 
     with pytest.raises(ValueError, match="RolloutConfig.dispatch_kwargs: .*bogus"):
         RolloutPool.start(RolloutConfig(dispatch_kwargs={"bogus": 1}))
+
+
+def test_a_batch_of_agent_threads_raises_the_fd_limit_or_is_refused_before_it_starts(monkeypatch):
+    """agent_runner: thread holds ~3 descriptors per episode: a soft limit too low is raised
+    towards the hard one; a hard limit too low refuses the batch by name, before any episode."""
+    import resource
+
+    from war_openrlhf.rollout import episode
+
+    limits = {"soft": 1024, "hard": 100_000}
+    monkeypatch.setattr(resource, "getrlimit", lambda _what: (limits["soft"], limits["hard"]))
+
+    def setrlimit(_what, value):
+        if value[0] > limits["hard"]:
+            raise ValueError("not allowed")
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    episode.make_room_for_agent_threads(100)  # fits: untouched
+    assert limits["soft"] == 1024
+    episode.make_room_for_agent_threads(4096)
+    assert limits["soft"] == 4096 * episode.FDS_PER_AGENT_THREAD + episode.FD_HEADROOM
+    limits.update(soft=1024, hard=4096)
+    with pytest.raises(RuntimeError, match="agent_runner: thread runs 4096 episodes.*agent_runner: loop"):
+        episode.make_room_for_agent_threads(4096)
+    assert limits["soft"] == 4096  # raised as far as allowed, still refused
+
+
+def test_an_agent_thread_holds_the_descriptors_the_limit_check_counts():
+    import os
+
+    from war_openrlhf.rollout import episode
+
+    before = len(os.listdir("/proc/self/fd"))
+    threads = [episode.AgentThread(f"t{i}") for i in range(8)]
+    held = len(os.listdir("/proc/self/fd")) - before
+    for t in threads:
+        t.close()
+    assert held <= 8 * episode.FDS_PER_AGENT_THREAD

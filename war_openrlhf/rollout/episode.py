@@ -111,6 +111,40 @@ class AgentThread:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+#: File descriptors an :class:`AgentThread` holds while its episode runs (its event loop's
+#: epoll and self-pipe pair).
+FDS_PER_AGENT_THREAD = 3
+#: Descriptors left for everything else in the process (Ray, sockets, files).
+FD_HEADROOM = 512
+
+
+def make_room_for_agent_threads(episodes: int) -> None:
+    """A batch of ``episodes`` with ``agent_runner: thread`` holds ``FDS_PER_AGENT_THREAD`` file
+    descriptors per episode at once (4,096 episodes: ~12,000). Raise the process's soft limit
+    towards its hard one if needed; if even the hard limit is too low, refuse the batch before
+    any episode starts (naming the remedies) rather than fail episodes mid-batch with EMFILE."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to check
+        return
+    need = episodes * FDS_PER_AGENT_THREAD + FD_HEADROOM
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < need:
+        raise RuntimeError(f"RolloutConfig.agent_runner: thread runs {episodes} episodes with a thread and event loop "
+                           f"each, ~{need} file descriptors, but this process may open {soft} (ulimit -n; hard "
+                           f"limit {hard}). Use agent_runner: loop for agents whose tools await, raise the limit "
+                           "(ulimit -n), or run fewer episodes per batch.")
+
+
 #: Agent calls given up at their deadline since the process started (their threads end when
 #: the blocked call returns).
 ABANDONED = {"calls": 0}

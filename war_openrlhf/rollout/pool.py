@@ -49,7 +49,7 @@ from ..speculation import CompletedSequenceLog
 from .agents import load_agent_class
 from .config import RolloutConfig
 from .engine_client import ENGINE_METHODS, EngineClient, EngineHandle
-from .episode import run_episode
+from .episode import make_room_for_agent_threads, run_episode
 from .log_shipper import LogShipper
 from .supervisor import EngineSupervisor
 from .trajectory import Trajectory
@@ -282,6 +282,8 @@ class RolloutPool:
         n = n_samples_per_prompt or self.config.n_samples_per_prompt
         if not prompts:
             raise ValueError("prompts: empty batch")
+        if self.config.agent_runner == "thread":
+            make_room_for_agent_threads(len(prompts) * n)
         b = self._batch_index
         self._batch_index += 1
         self.router.start_batch()
