@@ -46,3 +46,32 @@ def test_plot_draws_the_side_by_side_panel(tmp_path):
     whiskers = tmp_path / "c.png"
     plot(_scalars([0.1, 0.2], engines=2), whiskers, spread)
     assert whiskers.read_bytes() != with_panel.read_bytes()
+
+
+def test_the_scalar_reader_returns_every_point_written_across_event_files(tmp_path):
+    """read_scalars: two runs' event files under one directory, more points than TensorBoard's
+    default sampling keeps (1,000 per tag): every (step, value) comes back, by tag as written,
+    sorted by step; war-summary's loader renames train/war/... to war/... and refuses an empty dir."""
+    import random
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from war_openrlhf.metrics.run_summary import load_scalars
+    from war_openrlhf.metrics.tb_scalars import read_scalars
+
+    rng = random.Random(5)
+    written: dict[str, list[tuple[int, float]]] = {}
+    for run, steps in (("a", range(0, 1500)), ("b", range(1500, 1600))):
+        w = SummaryWriter(str(tmp_path / "tb" / run))
+        for step in steps:
+            for tag in ("train/war/index_records", "train/reward") if step % 3 else ("train/reward",):
+                v = float(rng.randint(0, 1000))  # exact in float32
+                w.add_scalar(tag, v, step)
+                written.setdefault(tag, []).append((step, v))
+        w.close()
+    assert read_scalars(tmp_path / "tb") == written
+    renamed = load_scalars(tmp_path / "tb")
+    assert renamed["war/index_records"] == written["train/war/index_records"]
+    assert renamed["train/reward"] == written["train/reward"]
+    with pytest.raises(ValueError, match="no TensorBoard event files"):
+        load_scalars(tmp_path / "empty")

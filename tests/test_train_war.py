@@ -143,14 +143,9 @@ def test_two_grpo_steps_through_openrlhfs_trainer(trained_run):
     assert "Global step 2" in proc.stdout + proc.stderr
     # the seams to OpenRLHF are listed where the user sees them
     assert "war-train: openrlhf.trainer.ray.create_vllm_engines -> WAR engine actors" in proc.stdout
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    tags = {}
-    for f in tmp.joinpath("tb").rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        for t in acc.Tags()["scalars"]:
-            tags[t] = [e.value for e in acc.Scalars(t)]
+    tags = {t: [v for _, v in points] for t, points in read_scalars(tmp / "tb").items()}
     for t in ("war/rollout_tokens_per_s", "war/speculating_fraction", "war/prefix_hit_rate_engine",
               "war/spec_acceptance_rate", "war/engine0_turns", "war/reward_mean", "war/episode_turns_mean",
               "war/engine0_speculating_fraction", "war/engine0_switch_speculating", "war/turn_generate_s_mean",
@@ -303,14 +298,9 @@ def test_a_killed_run_resumes_with_its_rollout_state(tmp_path):
     if dumps_before == 2:  # step 2 had been rolled out before the kill: redone with its prompts
         assert _prompts(dumps[1]) == _prompts(dumps[2])
     # the replicas held the restored records at the resumed step (TensorBoard: the same logdir)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    steps = {}
-    for f in tmp_path.joinpath("tb").rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        if "train/war/index_records" in acc.Tags()["scalars"]:
-            steps.update({e.step: e.value for e in acc.Scalars("train/war/index_records")})
+    steps = dict(read_scalars(tmp_path / "tb").get("train/war/index_records", []))
     assert steps.get(2, 0) > records, steps
 
 
@@ -369,13 +359,8 @@ def test_async_trainer_runs_with_the_war_pool(tmp_path):
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    tags = {}
-    for f in (tmp_path / "tb").rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        for t in acc.Tags()["scalars"]:
-            tags[t] = [e.value for e in acc.Scalars(t)]
+    tags = {t: [v for _, v in points] for t, points in read_scalars(tmp_path / "tb").items()}
     assert len(tags.get("train/war/rollout_tokens_per_s", [])) == 2, sorted(tags)
     assert not any(t.startswith("war/") for t in tags), "WAR scalars logged outside the trainer's logger"

@@ -242,3 +242,38 @@ def test_a_channel_that_timed_out_opening_is_tried_again_at_the_next_batch_a_ref
     assert first is not None and "no connection" in first  # the reason is kept
     assert len(attempts) == (2 if retried else 1)
     assert client.healthy
+
+
+def test_engine_calls_carry_no_ray_task_events():
+    """Every call the pool makes to an engine actor (stats, load polls, log pushes: every
+    interval of a long job) is made with enable_task_events=False, so Ray's GCS keeps no event
+    record of it; a call without that option would fail here."""
+    from war_openrlhf.rollout.engine_client import EngineClient
+
+    seen = []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def options(self, **kwargs):
+            seen.append((self.name, kwargs))
+            return SimpleNamespace(remote=self._call)
+
+        def remote(self, *_args):
+            raise AssertionError(f"{self.name} called without options")
+
+        async def _call(self, *_args):
+            return {"kv_cache_usage": 0.0} if self.name == "load" else []
+
+    handle = SimpleNamespace(**{m: Method(m) for m in ("generate_tokens", "load", "stats", "kv_events", "push_log")})
+    client = EngineClient(0, handle)
+
+    async def calls():
+        await client.refresh_load()
+        await client.kv_events()
+        await client.push_log([])
+
+    asyncio.run(calls())
+    assert [name for name, _ in seen] == ["load", "kv_events", "push_log"]
+    assert all(kwargs == {"enable_task_events": False} for _, kwargs in seen)

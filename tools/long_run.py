@@ -82,16 +82,10 @@ def _sample(root_pid: int) -> dict[str, float]:
 
 
 def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    got: dict[str, dict[int, float]] = {}
-    for f in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in SCALARS:
-            if f"train/{tag}" in acc.Tags()["scalars"]:
-                got.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(f"train/{tag}")})
-    return got
+    raw = read_scalars(logdir)
+    return {tag: dict(raw[f"train/{tag}"]) for tag in SCALARS if f"train/{tag}" in raw}
 
 
 def _level(by_step: dict[int, float], lo: int, hi: int) -> float | None:

@@ -43,15 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scalars(logdir: Path, tag: str) -> dict[int, float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    out: dict[int, float] = {}
-    for f in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(f))
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            out.update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
+    return dict(read_scalars(logdir).get(tag, []))
 
 
 def _run(cmd, env, log_path: Path, kill_after_step: int | None = None, timeout_s: float = 1800,

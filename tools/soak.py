@@ -170,14 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(out: Path, n: int, returncode: int, log: str, hung: bool = False) -> dict:
     """The soak's checks, from TensorBoard, the rollout dumps and the saved model."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from war_openrlhf.metrics.tb_scalars import read_scalars
 
-    tags: dict[str, list[float]] = {}
-    for f in (out / "tensorboard").rglob("events.out.tfevents.*"):
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for t in acc.Tags().get("scalars", []):
-            tags[t] = [e.value for e in acc.Scalars(t)]
+    tags = {t: [v for _, v in points] for t, points in read_scalars(out / "tensorboard").items()}
     samples = tags.get("train/rollout/num_samples", [])
     dropped = tags.get("train/war/groups_dropped", [])
     dumps = sorted((out / "rollouts").glob("rollout_*.jsonl"))

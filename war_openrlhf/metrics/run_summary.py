@@ -25,19 +25,14 @@ PANELS = [
 
 
 def load_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from .tb_scalars import read_scalars
 
-    out: dict[str, list[tuple[int, float]]] = {}
-    files = sorted(logdir.rglob("events.out.tfevents.*"))
-    if not files:
+    if not any(Path(logdir).rglob("events.out.tfevents.*")):
         raise ValueError(f"logdir: no TensorBoard event files under {logdir}")
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            # WAR's scalars are logged by OpenRLHF's trainer as train/war/...: read as war/...
-            series = out.setdefault(tag[len("train/"):] if tag.startswith("train/war/") else tag, [])
-            series.extend((e.step, e.value) for e in acc.Scalars(tag))
+    out: dict[str, list[tuple[int, float]]] = {}
+    for tag, points in read_scalars(logdir).items():
+        # WAR's scalars are logged by OpenRLHF's trainer as train/war/...: read as war/...
+        out.setdefault(tag[len("train/"):] if tag.startswith("train/war/") else tag, []).extend(points)
     for tag in out:
         out[tag].sort()
     return out
