@@ -102,8 +102,8 @@ import numpy as np
 
 from .base import DEFER, DispatchPolicy, EngineState, PolicyOptions, TurnRequest
 from .block_index import BLOCK_SIZE, BlockHashIndex, TrajectoryChain, whole_blocks
-from .remaining_work import SiblingRecords
 from .live_table import LiveTable
+from .remaining_work import SiblingRecords
 from .turn_costs import PRIOR_RATES, TurnCosts
 
 ADMISSION_ORDERS = ("fifo", "longest_first")
