@@ -49,9 +49,9 @@ def test_plot_draws_the_side_by_side_panel(tmp_path):
 
 
 def test_the_scalar_reader_returns_every_point_written_across_event_files(tmp_path):
-    """read_scalars: two runs' event files under one directory, more points than TensorBoard's
-    default sampling keeps (1,000 per tag): every (step, value) comes back, by tag as written,
-    sorted by step; war-summary's loader renames train/war/... to war/... and refuses an empty dir."""
+    """read_scalars: two runs' event files under one directory, 1,600 steps: every (step, value)
+    comes back, by tag as written, sorted by step; war-summary's loader renames train/war/... to
+    war/... and refuses an empty dir."""
     import random
 
     from torch.utils.tensorboard import SummaryWriter
