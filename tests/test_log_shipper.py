@@ -189,3 +189,21 @@ def test_engines_not_drafting_by_their_last_report_are_not_asked_for_chunks():
     asyncio.run(shipper.sync())
     assert [bool(r.outbox) for r in replicas] == [True, True, False]
     assert shipper.inflight_chunks == 1
+
+
+def test_unsent_records_count_what_the_slowest_live_replica_still_lacks():
+    shipper, replicas, clients = _shipper(2)
+    rng = np.random.default_rng(1)
+    assert shipper.unsent_records() == 0
+    for i in range(3):
+        shipper.record(f"t{i}", "g", 0, rng.integers(0, 1000, size=20, dtype=np.int32),
+                       rng.integers(0, 1000, size=5, dtype=np.int32))
+    assert shipper.unsent_records() == 3
+    asyncio.run(shipper.sync())
+    assert shipper.unsent_records() == 0
+    clients[1].healthy = False  # a dead engine does not hold the count back
+    shipper.record("t3", "g", 0, rng.integers(0, 1000, size=20, dtype=np.int32),
+                   rng.integers(0, 1000, size=5, dtype=np.int32))
+    assert shipper.unsent_records() == 1
+    asyncio.run(shipper.sync())
+    assert shipper.unsent_records() == 0

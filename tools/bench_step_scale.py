@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_turn_path import AGENT, GROUPS, WAITS, rows_for  # noqa: E402
+from bench_turn_path import AGENT, GROUPS, WAITS, require_positive, rows_for  # noqa: E402
 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
@@ -61,16 +61,11 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _lag(self) -> int:
-        shipper = self.pool.shipper
-        sent = [e.log_sent for e in shipper._receivers()]
-        return max(0, shipper.log.last_seq - min(sent)) if sent else 0
-
     def _run(self) -> None:
         t0 = time.perf_counter()
         while not self._stop.wait(self.interval_s):
             try:
-                lag = self._lag()
+                lag = self.pool.shipper.unsent_records()
             except Exception:  # noqa: BLE001 - the log changed under the read: the next sample
                 continue
             self.samples.append({"t_s": time.perf_counter() - t0, "rss_mib": _rss_mib(),
@@ -127,9 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    for name in ("episodes", "group", "engines", "turns", "tokens", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    require_positive(args, ("episodes", "group", "engines", "turns", "tokens", "repeats"))
     if args.episodes % args.group:
         raise SystemExit(f"--episodes ({args.episodes}) must be a multiple of --group ({args.group})")
     runners = [r.strip() for r in args.agent_runners.split(",") if r.strip()]

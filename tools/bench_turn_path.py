@@ -65,6 +65,13 @@ GROUPS = (("ray client", ("/ray/",)), ("asyncio & threads", ("asyncio/", "thread
 WAITS = ("poll", "select", "acquire", "sleep", "wait", "recv")
 
 
+def require_positive(args, names) -> None:
+    """Refuse (naming the option) any of ``names`` below 1, before anything starts."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+
+
 def rows_for(episodes: int, turns: int, tokens: int) -> list[dict]:
     """``trace_replay`` rows: one task per episode, one trial of ``turns`` forced turns, no tool delay."""
     trial = {"lengths": [tokens] * turns, "delays": [0.0] * turns, "observations": [" ok."] * turns}
@@ -158,9 +165,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    for name in ("episodes", "turns", "latency_episodes", "latency_turns", "tokens", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    require_positive(args, ("episodes", "turns", "latency_episodes", "latency_turns", "tokens", "repeats"))
 
     import ray
     from transformers import AutoTokenizer

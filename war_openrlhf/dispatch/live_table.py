@@ -18,14 +18,18 @@ __all__ = ["LiveTable"]
 class LiveTable:
     """Rows of (engine, turns, tokens); ``engine == -1`` marks a free row."""
 
-    __slots__ = ("engine", "turns", "tokens", "_free", "rows")
+    __slots__ = ("engine", "turns", "tokens", "_free")
 
     def __init__(self, capacity: int = 64) -> None:
         self.engine = np.full(capacity, -1, dtype=np.int64)
         self.turns = np.zeros(capacity, dtype=np.int64)
         self.tokens = np.zeros(capacity, dtype=np.float64)
         self._free = list(range(capacity - 1, -1, -1))  # lowest row first
-        self.rows = 0  # rows in use
+
+    @property
+    def rows(self) -> int:
+        """Rows in use."""
+        return len(self.engine) - len(self._free)
 
     def add(self, engine: int, turns: int, tokens: float) -> int:
         if not self._free:
@@ -36,7 +40,6 @@ class LiveTable:
             self._free = list(range(2 * n - 1, n - 1, -1))
         row = self._free.pop()
         self.engine[row], self.turns[row], self.tokens[row] = engine, turns, tokens
-        self.rows += 1
         return row
 
     def remove(self, row: int) -> None:
@@ -44,7 +47,6 @@ class LiveTable:
             raise KeyError(f"row {row} is not in use")
         self.engine[row] = -1
         self._free.append(row)
-        self.rows -= 1
 
     def of_engine(self, engine: int) -> tuple[np.ndarray, np.ndarray]:
         """(turns, tokens) of the trajectories live on ``engine``, in row order."""

@@ -86,6 +86,11 @@ class LogShipper:
         """Engines whose replica follows this log now: a WAR replica, healthy, not refusing entries."""
         return [e for e in self.engines if e.has_war_index and e.healthy and not e.last_sync_error]
 
+    def unsent_records(self) -> int:
+        """Records on the log the slowest live replica has not been sent yet (0 with none)."""
+        sent = [e.log_sent for e in self._receivers()]
+        return max(0, self.log.last_seq - min(sent)) if sent else 0
+
     async def sync(self, flush: bool = False) -> None:
         """Ship entries each healthy engine has not seen yet; truncate what all have.
         ``flush``: also make every replica apply them now (end of a batch), instead of within
