@@ -35,8 +35,12 @@ Speculation stays on while ``gain > threshold + hysteresis`` and goes off when
 ``gain < threshold - hysteresis``. A bucket missing one side is calibrated by running
 that side for a window (``calibrate``), or, with calibration off, decided by the
 fallback rule: speculate iff the batch is at most ``fallback_max_batch`` (same
-hysteresis, in requests). Every ``explore_every`` windows the other side runs for one
-window, so estimates follow the workload. Decisions are taken once per
+hysteresis, in requests). After ``explore_every`` windows the other side runs for one
+window, so estimates follow the workload; each exploration that confirms the decision
+doubles the interval (up to 8x), one that changes it, or a change by measurement, resets it.
+Acceptance per request-step is a ratio of decayed sums over drafting steps, not an EWMA of
+per-step ratios (one step at batch 1 accepts 0..K tokens: such an EWMA swung the gain across
+the threshold on noise, and drafting stayed off until the next exploration). Decisions are taken once per
 ``window_steps`` steps, from the window's mean batch. The first ``settle_steps`` steps
 after a change of side are not measured: they still carry the other side's state
 (requests restarting their draft trees, drafts proposed before the change).
@@ -173,8 +177,13 @@ class SpecSwitch:
         self.config = config or SpecSwitchConfig()
         self.table = LatencyTable(self.config.ewma, self.config.min_samples)
         self.curve = StepCurve(self.config.ewma, self.config.min_samples)
-        self._accepted_per_req: float | None = None  # EWMA over drafting steps
+        # decayed sums over drafting steps (see observe): accepted and drafted tokens, request-steps
+        self._acc_sum = self._draft_sum = self._req_sum = 0.0
+        self._accepted_per_req: float | None = None  # their ratios: per request-step
         self._drafted_per_req = 0.0
+        self._explore_interval = self.config.explore_every  # windows; doubles while exploring confirms
+        self._next_explore = self.config.explore_every
+        self._exploring: bool | None = None  # the decision an exploration window is checking
         self._estimated = 0.0  # decayed sums: tokens the index expected to be accepted / accepted
         self._accepted = 0.0
         self.min_token_prob: float | None = None  # None: the index's own min_token_prob
@@ -218,14 +227,17 @@ class SpecSwitch:
             self.curve.observe(requests + drafted, seconds)
         if speculating:
             w = self.config.ewma
-            a, d = accepted / requests, drafted / requests
-            if self._accepted_per_req is None:
-                self._accepted_per_req, self._drafted_per_req = a, d
-            else:
-                self._accepted_per_req += w * (a - self._accepted_per_req)
-                self._drafted_per_req += w * (d - self._drafted_per_req)
+            # Ratios of decayed sums, not an EWMA of per-step ratios: one step at batch 1 accepts
+            # 0..K tokens, and an EWMA of that swings the gain across the threshold on noise alone
+            # (drafting then stays off until the next exploration, since off-steps teach nothing
+            # about acceptance). Memory ~4/ewma steps, each weighted by its requests.
+            keep = 1.0 - w / 4
+            self._acc_sum = self._acc_sum * keep + accepted
+            self._draft_sum = self._draft_sum * keep + drafted
+            self._req_sum = self._req_sum * keep + requests
+            self._accepted_per_req = self._acc_sum / self._req_sum
+            self._drafted_per_req = self._draft_sum / self._req_sum
             if estimated is not None and drafted > 0:
-                keep = 1.0 - w / 4
                 self._estimated = self._estimated * keep + float(estimated)
                 self._accepted = self._accepted * keep + float(accepted)
         self._window_batch += requests
@@ -280,6 +292,7 @@ class SpecSwitch:
 
     def _decide(self, batch: float) -> None:
         cfg = self.config
+        decided_before = self._decided
         self.decisions += 1
         self._windows += 1
         self._override = None
@@ -315,9 +328,23 @@ class SpecSwitch:
             elif not self._decided and batch < cfg.fallback_max_batch - cfg.fallback_hysteresis_requests:
                 self._decided = True
             self.last_reason = "fallback"
-        if self._override is None and cfg.explore_every and self._windows % cfg.explore_every == 0:
-            self._override = not self._decided
-            self.last_reason += "+explore"
+        if self._override is None and cfg.explore_every:
+            if self._decided != decided_before and self._exploring is None:
+                # the regime changed by measurement: check the new decision at the configured rate
+                self._explore_interval = cfg.explore_every
+                self._next_explore = self._windows + cfg.explore_every
+            if self._exploring is not None:
+                # the window after an exploration: a confirmed decision is re-checked half as
+                # often (up to 8x explore_every), a changed one as often as configured
+                confirmed = self._decided == self._exploring
+                self._explore_interval = (min(2 * self._explore_interval, 8 * cfg.explore_every) if confirmed
+                                          else cfg.explore_every)
+                self._next_explore = self._windows + self._explore_interval
+                self._exploring = None
+            if self._windows >= self._next_explore:
+                self._override = not self._decided
+                self._exploring = self._decided
+                self.last_reason += "+explore"
         self.speculate = self._decided if self._override is None else self._override
         self.reasons[self.last_reason] = self.reasons.get(self.last_reason, 0) + 1
 
