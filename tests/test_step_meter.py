@@ -69,3 +69,31 @@ def test_only_gaps_after_a_busy_step_are_steps():
     assert [round(s[0], 3) for s in meter.samples] == [0.1, 0.05]
     with pytest.raises(ValueError, match="min_samples"):
         StepMeter(window=4, min_samples=8)
+
+
+def _sse(rows: np.ndarray, coef) -> float:
+    x = np.column_stack([np.ones(len(rows)), rows[:, 1], rows[:, 2]])
+    return float(np.sum((x @ np.asarray(coef) - rows[:, 0]) ** 2))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 2.0), st.sampled_from([1, 1, 2, 8, 64, 200]),
+                          st.sampled_from([0, 0, 0, 7, 512, 4096])), min_size=3, max_size=60),
+       st.integers(3, 24))
+def test_the_meter_fit_from_moments_equals_least_squares_over_its_window(rows, window):
+    # steps enter and leave the window (its moments are updated both ways); degenerate windows
+    # (no prompt tokens at all, one batch size throughout) come up often with these draws
+    meter = StepMeter(window=window, min_samples=3, max_gap_s=10.0)
+    t = 0.0
+    meter.step(t, 1, 0, busy_after=True)
+    for dt, gen, prompt in rows:
+        t += dt
+        meter.step(t, gen, prompt, busy_after=True)
+    fit = meter.fit()
+    window_rows = np.asarray(meter.samples, dtype=np.float64)
+    if len(window_rows) < 3:
+        assert fit == (0.0, 0.0, 0.0)
+        return
+    assert min(fit) >= 0
+    reference = nonnegative_step_fit(window_rows)
+    assert _sse(window_rows, fit) <= _sse(window_rows, reference) * (1 + 1e-6) + 1e-12

@@ -77,6 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from war_openrlhf.metrics import write_json  # noqa: E402
+from war_openrlhf.metrics.process_cpu import cpu_delta, cpu_seconds_by_kind  # noqa: E402
 from war_openrlhf.metrics.tail import tail_figures  # noqa: E402
 
 TASKS = ("arithmetic_calculator", "sql_qa", "doc_lookup")
@@ -644,10 +645,16 @@ def main(argv=None):
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for name in order:
+            cpu0 = cpu_seconds_by_kind()
             out = runners[name]()
+            # CPU seconds of every process kind during the run (both engine sets are alive: the
+            # idle one shows what an idle engine costs); see war_openrlhf/metrics/process_cpu.py
+            out["cpu_s_by_process"] = cpu_delta(cpu0, cpu_seconds_by_kind())
             results[name].append(out)
+            busiest = sorted(out["cpu_s_by_process"].items(), key=lambda kv: -kv[1])[:6]
             print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
-                  f"{out['generated_tokens']} tokens", file=sys.stderr, flush=True)
+                  f"{out['generated_tokens']} tokens; CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest),
+                  file=sys.stderr, flush=True)
     if handles is not None:
         for h in handles:
             ray.get(h.shutdown.remote())
