@@ -589,8 +589,8 @@ def main(argv=None):
                      num_speculative_tokens=args.num_speculative_tokens)
     cfg_kwargs = dict(num_engines=args.engines, agent_func_path=str(agent_file), max_turns=256,
                       max_context_tokens=args.max_len, max_new_tokens_per_turn=None,
-                      temperature=args.temperature, seed=None, progress=False, stats_interval_s=0.25,
-                      engine=engine_kw)
+                      temperature=args.temperature, seed=None, progress=False,
+                      engine=engine_kw)  # the pool's own intervals (stats, load, log sync): what a user runs
     t_all = time.time()
     kv_tokens, calibration = args.kv_tokens, None
     if args.pressure is not None:  # measure the live context with ample KV, then size every engine's KV

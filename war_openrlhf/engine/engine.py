@@ -323,6 +323,7 @@ class WarEngine:
         index extend the trajectory's tree and pick its group. ``priority``: vLLM's request
         priority (lower first; only with ``EngineConfig.scheduling_policy`` priority)."""
         from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         if sampling_params is None:
             sampling_params = SamplingParams(max_tokens=64)
@@ -332,6 +333,9 @@ class WarEngine:
             sampling_params = sampling_params.clone()
         if sampling_params.logprobs is None:
             sampling_params.logprobs = 0  # the sampled token's logprob
+        # only the final output is used: vLLM's default (CUMULATIVE) builds and hands this actor a
+        # growing copy of the turn after every engine step, CPU the engines' own processes need
+        sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
         sampling_params.extra_args = war_extra_args(trajectory_id, group_id, sampling_params.extra_args)
         rid = request_id or f"war-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
