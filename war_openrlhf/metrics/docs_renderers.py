@@ -592,6 +592,41 @@ def rollout_regime(d: dict) -> str:
             f"{r['tool_latency']}; median of {d['repeats']} in rotating order ({load_note(d)}).\n")
 
 
+def _cpu_groups(config: str, cpu: dict) -> dict:
+    """A run's CPU seconds by process kind (``cpu_s_by_process``) in the groups a reader compares:
+    the configuration's own engine set (vLLM workers, engine cores, the engine actors), the
+    driver, the other engine set (alive and idle during this run) and the rest."""
+    own = "ray::RolloutRayActor" if config.startswith("openrlhf") else "ray::WarEngine"
+    g = dict.fromkeys(("workers", "cores", "actors", "driver", "idle set", "other"), 0.0)
+    for kind, sec in cpu.items():
+        if kind == "driver":
+            g["driver"] += sec
+        elif kind == own:
+            g["actors"] += sec
+        elif kind.startswith(own + "/"):
+            g["workers" if kind.endswith("Worker") else "cores"] += sec
+        elif kind.startswith(("ray::RolloutRayActor", "ray::WarEngine")):
+            g["idle set"] += sec
+        else:
+            g["other"] += sec
+    return g
+
+
+@renderer("rollout_cpu")
+def rollout_cpu(d: dict) -> str:
+    """CPU seconds of each kind of process during each configuration's median run."""
+    rows = []
+    for c, s in d["configs"].items():
+        cpu = s.get("cpu_s_by_process")
+        if not cpu:
+            continue
+        g = _cpu_groups(c, cpu)
+        rows.append([f"`{c}`", f"{s['step_s']:.2f}", f"{sum(cpu.values()):.2f}",
+                     *(f"{g[k]:.2f}" for k in ("workers", "cores", "actors", "driver", "idle set", "other"))])
+    return md_table(["config (median run)", "step s", "CPU s, all", "vLLM workers", "engine cores", "engine actors",
+                     "driver", "other engine set (idle)", "other"], ["l"] + ["r"] * 8, rows)
+
+
 @renderer("noroom_target")
 def noroom_target(d: dict) -> str:
     war = d["configs"]["war"]["step_s"]
@@ -602,6 +637,11 @@ def noroom_target(d: dict) -> str:
     listed = ", ".join(f"`{c}` {v:.2f}x" for c, v in ratios.items())
     return (f"`war` against each (median step over median step): {listed}. Target (>= 0.98x every one): "
             f"{'met' if ok else f'missed, worst against `{worst}`'}.\n")
+
+
+def _fraction_range(config: dict) -> str:
+    fr = [f for f in (config.get("speculating_fraction") or []) if f is not None]
+    return f"{100 * min(fr):.0f}-{100 * max(fr):.0f}%" if fr else "n/a"
 
 
 @renderer("spec_low_target")
@@ -623,8 +663,13 @@ def spec_low_target(d: dict) -> str:
         parts.append(f"the WAR pool under OpenRLHF's placement (`war_spec_only`) {c['openrlhf_vllm_suffix']['step_s'] / so['step_s']:.2f}x "
                      f"`openrlhf_vllm_suffix`, tokens per verification step {num(so.get('tokens_per_verification_step'), '.2f')} "
                      f"vs vLLM's {num(c['openrlhf_vllm_suffix'].get('tokens_per_verification_step'), '.2f')}")
+    if "war_spec_on" in c:
+        on = c["war_spec_on"]
+        parts.append(f"the load-aware switch: `war` {on['step_s'] / war:.2f}x `war_spec_on` (drafting forced on), "
+                     f"drafting in {_fraction_range(c['war'])} of its engines' steps against "
+                     f"{_fraction_range(on)} forced on (steps with no draft found count as not drafting)")
     fractions = [f for f in (c["war"].get("speculating_fraction") or []) if f is not None]
-    if fractions:
+    if fractions and "war_spec_on" not in c:
         parts.append(f"`war`'s switches drafting in {100 * min(fractions):.0f}-{100 * max(fractions):.0f}% of "
                      "their engines' steps")
     ok = vs_suffix >= 1.15 and vs_base >= 1.6
