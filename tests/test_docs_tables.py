@@ -208,3 +208,17 @@ def test_every_benchmark_tool_writes_its_results_through_write_json():
         assert "write_json(" in src, f"{tool.name}: results not written through war_openrlhf.metrics.write_json"
         assert "json.dumps(out" not in src and ".write_text(json.dumps" not in src, \
             f"{tool.name}: writes a result file of its own (use war_openrlhf.metrics.write_json)"
+
+
+def test_cpu_by_process_groups_a_configuration_s_own_engines_apart_from_the_idle_set():
+    from war_openrlhf.metrics.docs_renderers import _cpu_groups
+
+    cpu = {"driver": 0.5, "ray::WarEngine": 1.0, "ray::WarEngine/VLLM::Worker": 5.0,
+           "ray::WarEngine/VLLM::EngineCore": 0.8, "ray::RolloutRayActor": 0.1,
+           "ray::RolloutRayActor/VLLM::Worker": 0.2, "other": 0.3}
+    war = _cpu_groups("war_sticky", cpu)
+    assert war == {"workers": 5.0, "cores": 0.8, "actors": 1.0, "driver": 0.5, "idle set": pytest.approx(0.3),
+                   "other": 0.3}
+    base = _cpu_groups("openrlhf_vllm_suffix", cpu)
+    assert base["workers"] == 0.2 and base["actors"] == 0.1 and base["idle set"] == pytest.approx(6.8)
+    assert sum(war.values()) == pytest.approx(sum(cpu.values())) == pytest.approx(sum(base.values()))
