@@ -545,6 +545,8 @@ def test_a_saved_pool_state_lets_a_new_pool_draft_at_its_first_batch(pool, tmp_p
     index records before the first turn, so the same prompts draft from them at once; a cold
     pool on the same engines drafts less. The dispatcher's measurements come back too; a
     damaged state is refused naming the file, and leaves the pool as it was."""
+    import ray
+
     from war_openrlhf.rollout.checkpoint import PoolStateError
 
     prompts = [f"Recall code {i}: what follows?" for i in range(4)]
@@ -555,9 +557,15 @@ def test_a_saved_pool_state_lets_a_new_pool_draft_at_its_first_batch(pool, tmp_p
     saved = first.save_state(tmp_path / "state")
 
     def accepted(p):
-        before = asyncio.run(p.engine_stats())
-        p.run_batch(prompts, ["ok"] * len(prompts))
-        after = asyncio.run(p.engine_stats())
+        # drafting forced on while measuring: this is about what the replicas hold, not about
+        # whether the load-aware switch (its state left by the tests before) drafts now
+        ray.get([e.handle.set_speculation.remote("on") for e in p.engines])
+        try:
+            before = asyncio.run(p.engine_stats())
+            p.run_batch(prompts, ["ok"] * len(prompts))
+            after = asyncio.run(p.engine_stats())
+        finally:
+            ray.get([e.handle.set_speculation.remote("auto") for e in p.engines])
         return sum(a.spec_accepted_tokens - b.spec_accepted_tokens for a, b in zip(after, before))
 
     cold = _sibling(pool, **kw)

@@ -36,8 +36,10 @@ Speculation stays on while ``gain > threshold + hysteresis`` and goes off when
 that side for a window (``calibrate``), or, with calibration off, decided by the
 fallback rule: speculate iff the batch is at most ``fallback_max_batch`` (same
 hysteresis, in requests). After ``explore_every`` windows the other side runs for one
-window, so estimates follow the workload; each exploration that confirms the decision
-doubles the interval (up to 8x), one that changes it, or a change by measurement, resets it.
+window, so estimates follow the workload; each exploration that confirms a decision to draft
+doubles the interval (up to 8x); while drafting is off (exploring is then the only measure of
+acceptance), after one that changes the decision, or a change by measurement, it is the
+configured one.
 Acceptance per request-step is a ratio of decayed sums over drafting steps, not an EWMA of
 per-step ratios (one step at batch 1 accepts 0..K tokens: such an EWMA swung the gain across
 the threshold on noise, and drafting stayed off until the next exploration). Decisions are taken once per
@@ -322,6 +324,8 @@ class SpecSwitch:
             else:  # drafting first (it measures d and a), then the batch without drafts
                 self._override = self._accepted_per_req is None or self.curve.covers(batch)
             self.last_reason = "calibrating"
+            # a calibration window measures a side as an exploration would: the next one waits
+            self._next_explore = max(self._next_explore, self._windows + self._explore_interval)
         else:
             if self._decided and batch > cfg.fallback_max_batch + cfg.fallback_hysteresis_requests:
                 self._decided = False
@@ -334,11 +338,13 @@ class SpecSwitch:
                 self._explore_interval = cfg.explore_every
                 self._next_explore = self._windows + cfg.explore_every
             if self._exploring is not None:
-                # the window after an exploration: a confirmed decision is re-checked half as
-                # often (up to 8x explore_every), a changed one as often as configured
+                # the window after an exploration: a confirmed decision to draft is re-checked half
+                # as often (up to 8x explore_every); a decision not to draft, or a changed one, as
+                # often as configured: while off, exploring is the only measure of what drafts
+                # would be accepted now (a workload that turned draftable shows nowhere else)
                 confirmed = self._decided == self._exploring
-                self._explore_interval = (min(2 * self._explore_interval, 8 * cfg.explore_every) if confirmed
-                                          else cfg.explore_every)
+                self._explore_interval = (min(2 * self._explore_interval, 8 * cfg.explore_every)
+                                          if confirmed and self._decided else cfg.explore_every)
                 self._next_explore = self._windows + self._explore_interval
                 self._exploring = None
             if self._windows >= self._next_explore:
