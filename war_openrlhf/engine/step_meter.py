@@ -14,7 +14,8 @@ The fit runs in the engine actor whenever the pool polls its load (ten times a s
 the engine's own processes: it works on the window's sufficient statistics (``X'X``, ``X'y``,
 ``y'y``, kept as steps enter and leave the window), a few 3x3 solves, instead of least squares
 over the 512 rows (which took a sixth of the actor's CPU in a profiled rollout).
-:func:`nonnegative_step_fit` over the rows is the reference it is tested against.
+:func:`nonnegative_step_fit` (rows in, the same solver on their moments) is what tests hold
+against a brute-force non-negative least squares and the incremental moments against.
 """
 
 from __future__ import annotations
@@ -84,36 +85,23 @@ class StepMeter:
         self._yy += sign * row[0] * row[0]
 
     def _rebuild(self) -> None:
-        rows = np.asarray(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(rows)), rows[:, 1], rows[:, 2]])
-        self._gram, self._xy, self._yy = x.T @ x, x.T @ rows[:, 0], float(rows[:, 0] @ rows[:, 0])
+        self._gram, self._xy, self._yy = _moments(np.asarray(self.samples, dtype=np.float64))
         self._since_rebuild = 0
+
+
+def _moments(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(X'X, X'y, y'y)`` of rows (dt, generated, prompt), ``X`` = (1, generated, prompt)."""
+    y = samples[:, 0]
+    x = np.column_stack([np.ones(len(samples)), samples[:, 1], samples[:, 2]])
+    return x.T @ x, x.T @ y, float(y @ y)
 
 
 def nonnegative_step_fit(samples: np.ndarray) -> tuple[float, float, float]:
     """Least squares of ``dt ~ a + b * generated + c * prompt`` (rows of ``samples``: dt,
     generated, prompt) with every coefficient >= 0: the best fit over the subsets of features
     whose unconstrained fit is non-negative (three features: every subset is tried)."""
-    y = samples[:, 0]
-    features = np.column_stack([np.ones(len(samples)), samples[:, 1], samples[:, 2]])
-    best: tuple[float, np.ndarray] | None = None
-    for k in (3, 2, 1):
-        for cols in combinations(range(3), k):
-            x = features[:, cols]
-            if np.linalg.matrix_rank(x) < k:
-                continue
-            coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            sse = float(np.sum((x @ coef - y) ** 2))
-            if best is None or sse < best[0] - 1e-15:
-                full = np.zeros(3)
-                full[list(cols)] = coef
-                best = (sse, full)
-    if best is None:  # only an all-negative fit: the mean step, no per-token cost
-        return float(max(y.mean(), 0.0)), 0.0, 0.0
-    a, b, c = (float(v) for v in best[1])
-    return a, b, c
+    gram, xy, yy = _moments(samples)
+    return nonnegative_fit_from_moments(gram, xy, yy, float(samples[:, 0].mean()))
 
 
 def nonnegative_fit_from_moments(gram: np.ndarray, xy: np.ndarray, yy: float,

@@ -23,8 +23,9 @@ __all__ = ["cpu_seconds_by_kind", "cpu_delta"]
 
 def _name(p: psutil.Process) -> str:
     try:
-        name = p.cmdline()[0] if p.cmdline() else p.name()
-    except (psutil.Error, IndexError):
+        cmdline = p.cmdline()
+        name = cmdline[0] if cmdline else p.name()
+    except psutil.Error:
         return "other"
     name = name.split(" ")[0]
     if name.startswith("ray::"):
