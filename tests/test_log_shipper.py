@@ -23,7 +23,7 @@ class Replica:
     def __init__(self) -> None:
         self.received: list[dict] = []
         self.flushes = 0
-        self.outbox: list[dict] = []  # in-flight chunks the engine's worker would hand out
+        self.outbox: list[dict] = []  # in-flight chunks the engine would hand out
 
     async def inflight_chunks(self):
         out, self.outbox = self.outbox, []

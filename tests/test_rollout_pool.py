@@ -292,6 +292,8 @@ def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
     applied = [s.index_applied_seq for s in asyncio.run(sib.engine_stats())]
     # every turn's record once, and the in-flight chunks the engines handed out while turns ran
     assert applied == [sib.log.last_seq] * 2 and sib.log.last_seq == observe.turns + sib.shipper.inflight_chunks
+    # the log pushes (and chunk collections) of a batch went over the engines' turn channels, not Ray
+    assert all(e.channel_calls > 0 for e in sib.engines), [e.channel_calls for e in sib.engines]
     by = {t.label: [] for t in observe.trajectories}
     for t in observe.trajectories:
         t.check()

@@ -277,3 +277,41 @@ def test_engine_calls_carry_no_ray_task_events():
     asyncio.run(calls())
     assert [name for name, _ in seen] == ["load", "kv_events", "push_log"]
     assert all(kwargs == {"enable_task_events": False} for _, kwargs in seen)
+
+
+def test_calls_by_name_share_the_connection_with_turns_and_only_served_names_run():
+    """The pool's periodic calls (in-flight chunks, log pushes, load polls) travel on the same
+    connection as turns: arguments and results arrive as sent, interleaved with a turn still
+    running; an unserved name and a call's own exception come back as errors naming them."""
+    seen = []
+
+    async def push_log(entries):
+        seen.append(entries)
+        return len(entries)
+
+    async def broken():
+        raise KeyError("no replica installed")
+
+    async def main():
+        server = TurnChannelServer(_handler, calls={"push_log": push_log, "broken": broken})
+        client = await TurnChannelClient.connect(await server.start("127.0.0.1"))
+        try:
+            ctx = np.arange(5, dtype=np.int32)
+            turn = asyncio.ensure_future(client.request(client.encode(ctx, {"delay": 0.3}, "t", "g", 0)))
+            entries = [{"seq": 1, "policy_version": None, "record": None,
+                        "chunk": {"key": "e0:r", "token_ids": b"\x01\x00\x00\x00", "offset": 0}}]
+            assert await client.call("push_log", entries) == 1
+            assert not turn.done()  # the call was answered while the turn still ran
+            assert seen == [entries]
+            with pytest.raises(RemoteError) as unknown:
+                await client.call("shutdown")
+            assert "shutdown" in str(unknown.value) and unknown.value.class_names[0] == "ValueError"
+            with pytest.raises(RemoteError) as failed:
+                await client.call("broken")
+            assert failed.value.class_names[0] == "KeyError" and "no replica" in failed.value.message
+            assert (await turn)["token_ids"] == [4, 3, 2, 1, 0]
+        finally:
+            client.close()
+            server.close()
+
+    _run(main())

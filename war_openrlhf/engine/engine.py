@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
+
 from ..device import cluster_device
 from ..speculation.log import LogEntry
 from ..versions import check_openrlhf_version
@@ -41,11 +43,10 @@ from .rpc import (
     RPC_LOAD_WEIGHTS,
     RPC_SET_MODE,
     RPC_SET_SWITCH,
-    RPC_TAKE_INFLIGHT,
     war_engine_kwargs,
     war_extra_args,
 )
-from .wire import entries_to_wire, tensors_to_wire
+from .wire import entries_to_wire, tensors_to_wire, tokens_to_bytes
 from .worker_faults import ENV_FAULT_DIR, WorkerKilled, explain_engine_death, read_worker_faults
 
 
@@ -154,6 +155,19 @@ def _engine_timing(stats: Any) -> dict[str, float]:
     return out
 
 
+def _running_output_tokens(llm: Any, request_id: str) -> list[int] | None:
+    """The output token ids vLLM's output processor holds of a running request (``None`` once it
+    has left): vLLM 0.29's ``AsyncLLM.output_processor`` maps the caller's request id to its
+    internal ids (``external_req_ids``; one for ``n == 1``), each to a ``RequestState`` whose
+    detokenizer keeps every output token id as the engine core reports it, every step."""
+    processor = llm.output_processor
+    internal = processor.external_req_ids.get(request_id)
+    if not internal:
+        return None
+    state = processor.request_states.get(internal[0])
+    return None if state is None or state.detokenizer is None else state.detokenizer.output_token_ids
+
+
 class WarEngine:
     """One rollout engine. Create, then ``await start()`` (Ray: ``actor.start.remote()``)."""
 
@@ -198,6 +212,9 @@ class WarEngine:
         self._requests_served = 0
         self._request_seconds = 0.0
         self._turn_channel = None  # TurnChannelServer, started by the pool's first turn_channel() call
+        # running turns that name a trajectory and a group: request id -> [trajectory, group, tokens
+        # handed out]; their new tokens are in-flight chunks (inflight_chunks)
+        self._inflight: dict[str, list] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -290,7 +307,9 @@ class WarEngine:
         if self._turn_channel is None:
             from .turn_channel import TurnChannelServer
 
-            self._turn_channel = TurnChannelServer(self.generate_tokens)
+            # the pool's periodic calls while a batch runs travel here too (not as Ray tasks)
+            self._turn_channel = TurnChannelServer(self.generate_tokens, calls={
+                "inflight_chunks": self.inflight_chunks, "push_log": self.push_log, "load": self.load})
         return await self._turn_channel.start()
 
     async def shutdown(self) -> None:
@@ -341,6 +360,8 @@ class WarEngine:
         t0 = time.perf_counter()
         version_at_start = self.weight_version
         final = None
+        if trajectory_id is not None and group_id is not None and self.config.index.inflight_sharing:
+            self._inflight[rid] = [str(trajectory_id), str(group_id), 0]
         try:
             ids = prompt_token_ids.tolist() if hasattr(prompt_token_ids, "tolist") else list(prompt_token_ids)
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), sampling_params, request_id=rid,
@@ -349,6 +370,8 @@ class WarEngine:
         except Exception as exc:
             self._raise_if_killed(exc)
             raise
+        finally:
+            self._inflight.pop(rid, None)  # finished: its record carries the rest
         self._served(time.perf_counter() - t0)
         completion = final.outputs[0]
         timing = _engine_timing(final.metrics)
@@ -410,11 +433,26 @@ class WarEngine:
 
     async def inflight_chunks(self) -> list:
         """New tokens of this engine's running turns (those naming a trajectory and a group) since
-        the last call, as in-flight chunk wire dicts keyed ``e<engine>:<request id>``; [] on an
-        engine without a WAR replica. One caller (the pool's log sync)."""
-        if not self.config.drafting.has_war_index or self.llm is None:
+        the last call, at least the index's ``inflight_chunk_tokens`` of each, as in-flight chunk
+        wire dicts keyed ``e<engine>:<request id>``; [] on an engine without a WAR replica. One
+        caller (the pool's log sync).
+
+        Read here, in the actor, from what vLLM's output processor has already received of each
+        running request (its token ids, kept whatever the output kind): no call into the worker,
+        whose core the forward passes need, and no work for vLLM's engine core."""
+        if not self.config.drafting.has_war_index or self.llm is None or not self._inflight:
             return []
-        return await self._rpc(RPC_TAKE_INFLIGHT, f"e{self.engine_index}:")
+        min_tokens = self.config.index.inflight_chunk_tokens
+        chunks = []
+        for rid, meta in self._inflight.items():
+            tokens = _running_output_tokens(self.llm, rid)
+            if tokens is None or len(tokens) - meta[2] < min_tokens:
+                continue
+            new = np.asarray(tokens[meta[2]:], dtype=np.int32)
+            chunks.append({"key": f"e{self.engine_index}:{rid}", "trajectory_id": meta[0], "group_id": meta[1],
+                           "offset": meta[2], "token_ids": tokens_to_bytes(new)})
+            meta[2] += int(new.size)
+        return chunks
 
     def get_num_unfinished_requests(self) -> int:
         return self.llm.get_num_unfinished_requests()

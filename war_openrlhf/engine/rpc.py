@@ -37,7 +37,6 @@ __all__ = [
     "RPC_SET_MODE",
     "RPC_SET_SPECULATION",
     "RPC_SET_SWITCH",
-    "RPC_TAKE_INFLIGHT",
     "WAR_OPENRLHF_WORKER_EXTENSION",
     "WORKER_EXTENSION",
     "EngineIndexClient",
@@ -71,11 +70,8 @@ RPC_SET_SWITCH = "war_set_switch"
 RPC_LOAD_WEIGHTS = "war_load_weights"
 #: Baselines: seed vLLM's own suffix cache: ``(items,)``.
 RPC_SEED_VLLM_SUFFIX_CACHE = "war_seed_vllm_suffix_cache"
-#: New tokens of the engine's running turns since the last call (chunk wire dicts): ``(key_prefix,)``.
-RPC_TAKE_INFLIGHT = "war_take_inflight"
 #: Every RPC name above.
 RPC_METHODS = (
-    RPC_TAKE_INFLIGHT,
     RPC_INSTALL_INDEX,
     RPC_APPLY_LOG,
     RPC_INDEX_STATS,

@@ -16,7 +16,6 @@ import numpy as np
 
 from war_openrlhf.speculation.index import Draft, GlobalSuffixIndex
 
-from .wire import tokens_to_bytes
 
 __all__ = ["WarSuffixCache"]
 
@@ -57,10 +56,6 @@ class WarSuffixCache:
       (releasing the requests; they restart from their prompts when it comes back),
       because at high load the per-request proposer work is a real share of a step.
 
-    With the index's ``inflight_sharing``, every request that names a trajectory and a group
-    keeps the tokens it generated since :meth:`take_inflight` last ran (the outbox); the pool
-    collects them as in-flight chunks for the group's requests on the other engines.
-
     It also counts what it drafted and how much of it was accepted, per source:
     after a draft, the request's next ``add_active_response`` carries the accepted
     draft tokens plus one sampled token, so ``accepted = common prefix``.
@@ -81,8 +76,6 @@ class WarSuffixCache:
         self._active: dict[str, str | None] = {}  # req_id -> trajectory_id it holds
         self._traj_users: dict[str, str] = {}  # trajectory_id -> req_id using it
         self._pending: dict[str, tuple[str, list[int]]] = {}  # req_id -> (source, draft)
-        # req_id -> [trajectory_id, group_id, tokens taken so far, new token arrays]
-        self._outbox: dict[str, list] = {}
         self.reset_stats()
 
     # -------------------------------------------------------------- stats
@@ -140,8 +133,6 @@ class WarSuffixCache:
             c["with_trajectory"] += 1
         if group_id is not None:
             c["with_group"] += 1
-            if trajectory_id is not None and self.index.config.inflight_sharing:
-                self._outbox[req_id] = [trajectory_id, group_id, 0, []]
         self._pending.pop(req_id, None)
 
     def add_active_response(self, req_id: str, token_ids: np.ndarray | Sequence[int]) -> None:
@@ -154,9 +145,6 @@ class WarSuffixCache:
                 n += 1
             self.counters["accepted_tokens"][source] += n
         self.index.extend_request(req_id, token_ids)
-        out = self._outbox.get(req_id)
-        if out is not None and len(token_ids):
-            out[3].append(np.array(token_ids, dtype=np.int32))
 
     def speculate(
         self,
@@ -194,27 +182,8 @@ class WarSuffixCache:
         if trajectory_id is not None and self._traj_users.get(trajectory_id) == req_id:
             del self._traj_users[trajectory_id]
         self._pending.pop(req_id, None)
-        self._outbox.pop(req_id, None)  # finished: its record carries the rest
         self.index.stop_request(req_id)
         self.counters["requests_stopped"] += 1
-
-    def take_inflight(self, key_prefix: str, min_tokens: int | None = None) -> list[dict[str, Any]]:
-        """New tokens of the running requests with at least ``min_tokens`` waiting (default the
-        index's ``inflight_chunk_tokens``), as chunk wire dicts (``key`` = ``key_prefix`` + the
-        request id); they leave the outbox."""
-        if min_tokens is None:
-            min_tokens = self.index.config.inflight_chunk_tokens
-        chunks = []
-        for req_id, out in self._outbox.items():
-            waiting = out[3]
-            if not waiting or sum(a.size for a in waiting) < min_tokens:
-                continue
-            tokens = np.concatenate(waiting) if len(waiting) > 1 else waiting[0]
-            chunks.append({"key": key_prefix + req_id, "trajectory_id": out[0], "group_id": out[1],
-                           "offset": out[2], "token_ids": tokens_to_bytes(tokens)})
-            out[2] += int(tokens.size)
-            out[3] = []
-        return chunks
 
     # -------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

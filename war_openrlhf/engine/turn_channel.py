@@ -1,11 +1,14 @@
-"""The turn channel: one TCP connection from the pool to each engine actor, for turns only.
+"""The turn channel: one TCP connection from the pool to each engine actor, for its hot calls.
 
 A turn is the pool's hottest call: one per model turn of every episode. As a Ray actor call it
 costs the driver about 1.7 ms of CPU and 3.4 ms of wall time per round trip on a 2-core machine
 (serialization, the GCS-free but still heavyweight task path, the actor's task queue), against
 74 us and 130 us for a length-prefixed msgpack frame on a plain socket
-(``tools/bench_turn_path.py`` measures the whole turn path both ways). So turns travel here and
-everything else (start-up, stats, the index log, weight syncs, recovery) stays on Ray.
+(``tools/bench_turn_path.py`` measures the whole turn path both ways). So turns travel here, and
+so do the small calls the pool makes every few tens of milliseconds while a batch runs (the
+engine's in-flight chunks, index log pushes, load polls: the server's ``calls``), which over Ray
+would cost the driver and the actor that CPU twice per engine, twenty times a second; everything
+else (start-up, stats, weight syncs, recovery) stays on Ray.
 
 The engine serves the channel on its actor's event loop (the loop its vLLM engine runs on), bound
 to its node's address on a free port; :meth:`WarEngine.turn_channel` returns ``{host, port,
@@ -13,7 +16,8 @@ token}`` over Ray. A client must send the token first (a random 32-byte secret o
 learns through Ray); the server closes any connection that does not. Frames are a 4-byte
 little-endian length and a msgpack body:
 
-* request ``[request_no, context_int32_bytes, sampling_kwargs, trajectory_id, group_id, priority]``
+* turn ``[request_no, context_int32_bytes, sampling_kwargs, trajectory_id, group_id, priority]``
+* call ``[request_no, name, [args]]`` (only the names the server was given)
 * answer ``[request_no, 0, result]`` or ``[request_no, 1, [exception class names], message]``
 
 Requests are answered as they finish (many in flight on one connection). A closed connection
@@ -85,10 +89,13 @@ def _node_address() -> str:
 
 class TurnChannelServer:
     """Serves ``handler(context, sampling_kwargs, request_id, trajectory_id, group_id, priority)``
-    (the engine's ``generate_tokens``) on the running event loop."""
+    (the engine's ``generate_tokens``) and the coroutine functions in ``calls`` (by name, with
+    msgpack-native arguments and results) on the running event loop."""
 
-    def __init__(self, handler: Callable[..., Awaitable[dict[str, Any]]]) -> None:
+    def __init__(self, handler: Callable[..., Awaitable[dict[str, Any]]],
+                 calls: dict[str, Callable[..., Awaitable[Any]]] | None = None) -> None:
         self.handler = handler
+        self.calls = dict(calls or {})
         self.token = os.urandom(TOKEN_BYTES)
         self._server: asyncio.base_events.Server | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -131,9 +138,16 @@ class TurnChannelServer:
     async def _answer(self, request: list, writer: asyncio.StreamWriter) -> None:
         number = request[0] if request else -1
         try:
-            _, context, params, trajectory_id, group_id, priority = request
-            result = await self.handler(np.frombuffer(context, dtype=np.int32), params, None, trajectory_id,
-                                        group_id, int(priority))
+            if len(request) == 3:  # a call
+                _, name, args = request
+                fn = self.calls.get(name)
+                if fn is None:
+                    raise ValueError(f"turn channel: no call named {name!r} (served: {', '.join(sorted(self.calls))})")
+                result = await fn(*args)
+            else:
+                _, context, params, trajectory_id, group_id, priority = request
+                result = await self.handler(np.frombuffer(context, dtype=np.int32), params, None, trajectory_id,
+                                            group_id, int(priority))
             body = msgpack.packb([number, 0, result], use_bin_type=True)
         except asyncio.CancelledError:
             raise
@@ -180,6 +194,22 @@ class TurnChannelClient:
         self._waiting[number] = future
         try:  # a 6-item array: its number, then the packed fields
             self._writer.write(_frame(b"\x96" + msgpack.packb(number) + fields))
+            if self._writer.transport.get_write_buffer_size() > (4 << 20):
+                await self._writer.drain()
+            return await future
+        finally:
+            self._waiting.pop(number, None)
+
+    async def call(self, name: str, *args: Any) -> Any:
+        """One of the server's ``calls`` (msgpack-native arguments); its result, or the engine's
+        :class:`RemoteError`."""
+        if self.closed:
+            raise ChannelClosed("turn channel closed")
+        number = next(self._numbers)
+        future = self.loop.create_future()
+        self._waiting[number] = future
+        try:  # a 3-item array: its number, the name, the arguments
+            self._writer.write(_frame(msgpack.packb([number, name, list(args)], use_bin_type=True)))
             if self._writer.transport.get_write_buffer_size() > (4 << 20):
                 await self._writer.drain()
             return await future

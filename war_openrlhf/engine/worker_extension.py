@@ -315,15 +315,6 @@ class WarWorkerExtension:
         batch = getattr(getattr(self, "model_runner", None), "input_batch", None)
         return bool(batch is not None and getattr(batch, "num_reqs", 0))
 
-    def war_take_inflight(self, key_prefix: str = "") -> list[dict[str, Any]]:
-        """New tokens of this engine's running turns (those naming a trajectory and a group) since
-        the last call, as in-flight chunk wire dicts for the pool to put on the log; [] when the
-        index does not share in-flight turns or nothing has been installed."""
-        cache = getattr(self, "_war_suffix_cache", None)
-        if cache is None or not cache.index.config.inflight_sharing:
-            return []
-        return cache.take_inflight(str(key_prefix))
-
     def war_set_speculation(self, enabled: bool) -> bool:
         """Force drafting on/off (mode ``on``/``off``); returns whether it was drafting."""
         cache = self._war_cache()
