@@ -268,7 +268,10 @@ def test_a_killed_run_resumes_with_its_rollout_state(tmp_path):
                             "train.batch_size": 4, "train.micro_batch_size": 2,
                             "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
                             "ckpt.output_dir": str(tmp_path / "model"), "ckpt.save_steps": 1,
-                            "ckpt.load_enable": True})
+                            "ckpt.load_enable": True,
+                            # one engine, no reference model: what resuming needs (the two-step run above
+                            # covers both); each of the two runs starts four processes fewer
+                            "vllm.num_engines": 1, "algo.kl.init_coef": 0.0, "algo.kl.use_loss": False})
     cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 32, "progress": False,
                        "dump_dir": str(tmp_path / "rollouts")})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
@@ -352,7 +355,8 @@ def test_async_trainer_runs_with_the_war_pool(tmp_path):
                             "rollout.n_samples_per_prompt": 2, "rollout.micro_batch_size": 2,
                             "train.batch_size": 4, "train.micro_batch_size": 2, "train.async_enable": True,
                             "logger.tensorboard_dir": str(tmp_path / "tb"), "ckpt.path": str(tmp_path / "ckpt"),
-                            "ckpt.output_dir": str(tmp_path / "model"), "algo.kl.init_coef": 0.0})
+                            "ckpt.output_dir": str(tmp_path / "model"), "algo.kl.init_coef": 0.0,
+                            "algo.kl.use_loss": False, "vllm.num_engines": 1})  # what the async path needs
     cfg["war"].update({"max_turns": 2, "max_new_tokens_per_turn": 32, "progress": False})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--config", str(tmp_path / "run.yaml")],

@@ -174,9 +174,12 @@ def test_turn_answers_keep_the_load_fresh_and_polls_skip_until_the_step_cost_is_
         async def generate_tokens(self, ids, params, request_id, trajectory_id, group_id):
             return {"token_ids": [1], "logprobs": [0.0], "load_now": {"waiting": 3, "running": 1}}
 
-        async def load(self):
+        async def load(self, step_cost=True):
             Engine.polls += 1
-            return {"waiting": 0, "running": 0, "step_s": 0.01}
+            Engine.fits += bool(step_cost)
+            return {"waiting": 0, "running": 0, **({"step_s": 0.01} if step_cost else {})}
+
+        fits = 0
 
     async def main():
         client = EngineClient(0, Engine())
@@ -188,10 +191,13 @@ def test_turn_answers_keep_the_load_fresh_and_polls_skip_until_the_step_cost_is_
         await client.refresh_load(0.5)  # both fresh: no call
         assert Engine.polls == 1 and client.load == {"waiting": 3, "running": 1, "step_s": 0.01}
         client.load_at = time.monotonic() - 1.0  # no answer for longer than max_age_s
+        await client.refresh_load(0.5)  # the queue only: the step cost is not due, and is kept
+        assert (Engine.polls, Engine.fits) == (2, 1) and client.load == {"waiting": 0, "running": 0, "step_s": 0.01}
+        client.load_at = client.step_cost_at = time.monotonic() - 6.0  # the step cost is due again
         await client.refresh_load(0.5)
-        assert Engine.polls == 2
-        await client.refresh_load()  # no max_age_s: always a poll
-        assert Engine.polls == 3
+        assert (Engine.polls, Engine.fits) == (3, 2)
+        await client.refresh_load()  # no max_age_s: always a poll, with the step cost
+        assert (Engine.polls, Engine.fits) == (4, 3)
 
     _run(main())
 

@@ -95,8 +95,12 @@ class _SchedulerStatsLogger:
             t["prompt_tokens"] += iteration_stats.num_prompt_tokens
             t["generation_tokens"] += iteration_stats.num_generation_tokens
 
-    def load(self) -> dict[str, Any]:
-        """What the dispatcher reads: the latest queue and KV, and the measured step cost."""
+    def load(self, step_cost: bool = True) -> dict[str, Any]:
+        """What the dispatcher reads: the latest queue and KV, and (``step_cost``) the measured
+        step cost, a least-squares fit over the meter's window: the pool asks for it every tenth
+        poll only, since it moves over hundreds of steps while the queue moves every step."""
+        if not step_cost:
+            return dict(self.current)
         step_s, per_seq, per_prefill = self.meter.fit()
         return {**self.current, "step_s": step_s, "step_per_seq_s": per_seq, "prefill_token_s": per_prefill,
                 "step_samples": len(self.meter.samples)}
@@ -549,13 +553,13 @@ class WarEngine:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out
 
-    async def load(self) -> dict[str, Any]:
+    async def load(self, step_cost: bool = True) -> dict[str, Any]:
         """The engine's load for the dispatcher, cheap enough to poll every tenth of a second:
-        running / waiting requests and KV usage as of its last step, and its measured step cost
-        (``step_s + step_per_seq_s * sequences + prefill_token_s * prompt tokens``; zeros until
-        measured)."""
+        running / waiting requests and KV usage as of its last step, and (``step_cost``) its
+        measured step cost (``step_s + step_per_seq_s * sequences + prefill_token_s * prompt
+        tokens``; zeros until measured)."""
         logger = self._stats_logger
-        return logger.load() if logger is not None else {}
+        return logger.load(bool(step_cost)) if logger is not None else {}
 
     async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]:
         """Start the replica afresh (an empty index) for the log of ``owner`` (a pool), whose next

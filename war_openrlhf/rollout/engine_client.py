@@ -298,15 +298,19 @@ class EngineClient:
         if not self.healthy or not hasattr(self.handle, "load"):
             return
         now = time.monotonic()
-        if max_age_s is not None and now - self.load_at < max_age_s and now - self.step_cost_at < 10 * max_age_s:
+        cost_fresh = max_age_s is not None and now - self.step_cost_at < 10 * max_age_s
+        if max_age_s is not None and now - self.load_at < max_age_s and cost_fresh:
             return  # turns keep the queue fresh; the step cost is read every tenth poll
         try:
-            report = await self._hot_call("load")
+            # the step cost (a fit in the engine) only when due; the queue and KV every poll
+            report = await self._hot_call("load", not cost_fresh)
         except EngineDead:
             return
         if isinstance(report, dict):
-            self.load = report
-            self.load_at = self.step_cost_at = time.monotonic()
+            self.load = {**self.load, **report}
+            self.load_at = time.monotonic()
+            if not cost_fresh:
+                self.step_cost_at = self.load_at
 
     async def kv_events(self) -> list:
         return await self._call("kv_events")
