@@ -15,7 +15,9 @@ between configurations: compare tok/s).
 One process, the same prompts, the same model, the same engine count and the same KV size for
 every configuration; one synchronous rollout step per
 run (all episodes start together; the step ends when the last one ends); every configuration
-``--repeats`` times in rotating order (all engine sets stay up, only one runs at a time).
+``--repeats`` times in rotating order (all engine sets stay up, only one runs at a time; the
+others' processes are stopped for its run, :mod:`war_openrlhf.metrics.paused_engines`, unless
+``--keep-idle-engines-running``).
 
 Configurations (``--configs``):
 
@@ -77,6 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from war_openrlhf.metrics import write_json  # noqa: E402
+from war_openrlhf.metrics.paused_engines import actor_process_trees, paused  # noqa: E402
 from war_openrlhf.metrics.process_cpu import cpu_delta, cpu_seconds_by_kind  # noqa: E402
 from war_openrlhf.metrics.tail import tail_figures  # noqa: E402
 
@@ -498,6 +501,9 @@ def main(argv=None):
     ap.add_argument("--cost-model", default=None, metavar="FILE.json",
                     help="traces: also run the workload through the simulator with this fitted cost model "
                          "(bench_engine.py --fit-costs) and report predicted vs measured speed-up per config")
+    ap.add_argument("--keep-idle-engines-running", action="store_true",
+                    help="leave the engine sets of the other configurations running (idle) during each run "
+                         "(default: stopped, so that their idle CPU does not slow the measured one)")
     ap.add_argument("--same-engines", action="store_true",
                     help="run the openrlhf baseline on the WAR engines (speculation off, OpenRLHF's dispatch and "
                          "agent executor inside the engine actor) instead of starting OpenRLHF's own engine "
@@ -607,6 +613,7 @@ def main(argv=None):
         live_per_engine = len(prompts) * n / args.engines * calibration["final_context_tokens_mean"]
 
     runners = {}
+    engine_set = {}  # configuration -> the engine handles it runs on
     war_names = [c for c in configs if c in WAR_CONFIGS]
     handles = None
     if war_names or args.same_engines:
@@ -622,6 +629,7 @@ def main(argv=None):
         # switches keep what they measured of their steps; every run's index starts empty)
         run_war(handles, cfg_kwargs, war_names[0], prompts, labels, n, tokenizer, agent_cls)
         for name in war_names:
+            engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
     baseline_sets = []
@@ -638,15 +646,22 @@ def main(argv=None):
             baseline_sets.append(engines)
         run_baseline(engines, prompts[:args.engines], labels[:args.engines], 1, tokenizer, args.max_len,
                      args.temperature, args.same_engines)  # warm-up
+        engine_set[name] = engines
         runners[name] = (lambda engines=engines, method=method: run_baseline(
             engines, prompts, labels, n, tokenizer, args.max_len, args.temperature, args.same_engines,
             vllm_suffix=method == "suffix"))
+    # the processes of every engine set, stopped while a configuration on another set runs
+    trees = {id(h): actor_process_trees(h) for h in {id(h): h for h in engine_set.values()}.values()}
+    idle_of = {name: [] if args.keep_idle_engines_running else
+               [pid for key, pids in trees.items() if key != id(engine_set[name]) for pid in pids]
+               for name in configs}
     results = {c: [] for c in configs}
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for name in order:
             cpu0 = cpu_seconds_by_kind()
-            out = runners[name]()
+            with paused(idle_of[name]):
+                out = runners[name]()
             # CPU seconds of every process kind during the run (both engine sets are alive: the
             # idle one shows what an idle engine costs); see war_openrlhf/metrics/process_cpu.py
             out["cpu_s_by_process"] = cpu_delta(cpu0, cpu_seconds_by_kind())
@@ -677,6 +692,8 @@ def main(argv=None):
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
                "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
                "equal_work": equal_work,
+               # the other configurations' engines during each run: stopped (SIGSTOP) or left running idle
+               "idle_engines": "running" if args.keep_idle_engines_running else "stopped",
                "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
                "calibration": calibration, "configs": summary, "runs": results,
                # what re-creates the trace workload (tools/resimulate_rollout.py reads it)

@@ -587,15 +587,19 @@ def rollout_regime(d: dict) -> str:
           else f"KV {d['kv_tokens_per_engine']:,} tokens per engine (pressure {num(d['pressure'])})")
     work = (f"{d['workload'].split('/')[-1]} ({d['split']} half)" if d.get("split")
             else f"{d['workload']} (seed {d.get('trace_args', {}).get('seed', 0)})")
+    idle = {"stopped": "; the other configurations' engines stopped during each run",
+            "running": "; the other configurations' engines left running (idle) during each run"}.get(
+        d.get("idle_engines"), "")
     return (f"Regime: {work}, {d['episodes']} episodes on {d['engines']} "
             f"engines (load {r['load']}, {r['episodes_per_engine']:g} per engine), {kv}, tools "
-            f"{r['tool_latency']}; median of {d['repeats']} in rotating order ({load_note(d)}).\n")
+            f"{r['tool_latency']}; median of {d['repeats']} in rotating order{idle} ({load_note(d)}).\n")
 
 
 def _cpu_groups(config: str, cpu: dict) -> dict:
     """A run's CPU seconds by process kind (``cpu_s_by_process``) in the groups a reader compares:
     the configuration's own engine set (vLLM workers, engine cores, the engine actors), the
-    driver, the other engine set (alive and idle during this run) and the rest."""
+    driver, the other engine sets (alive during this run: idle, or stopped where the file says
+    ``idle_engines: stopped``) and the rest."""
     own = "ray::RolloutRayActor" if config.startswith("openrlhf") else "ray::WarEngine"
     g = dict.fromkeys(("workers", "cores", "actors", "driver", "idle set", "other"), 0.0)
     for kind, sec in cpu.items():
