@@ -142,6 +142,13 @@ class EngineClient:
             self.mark_dead(exc)
             raise EngineDead(f"engine {self.index}: {self.error}") from exc
 
+    def _raise_if_died_inside(self, exc: RemoteError) -> None:
+        """An error the channel carried back: when it says the engine's vLLM died inside its live
+        actor, the engine is marked dead and :class:`EngineDead` raised; otherwise nothing."""
+        if actor_died(exc):
+            self.mark_dead(exc)
+            raise EngineDead(f"engine {self.index}: {self.error}") from exc
+
     async def _hot_call(self, method: str, *args: Any) -> Any:
         """A call the pool makes every few tens of milliseconds while a batch runs (in-flight chunks,
         log pushes, load polls): on this loop's open turn channel when there is one (a socket frame,
@@ -155,9 +162,7 @@ class EngineClient:
                 self.channel_calls += 1
                 return result
             except RemoteError as exc:
-                if actor_died(exc):  # its vLLM died inside a live actor
-                    self.mark_dead(exc)
-                    raise EngineDead(f"engine {self.index}: {self.error}") from exc
+                self._raise_if_died_inside(exc)
                 raise
             except ChannelClosed:
                 pass  # over Ray below: EngineDead if the actor is gone
@@ -212,9 +217,7 @@ class EngineClient:
             self.channel_turns += 1
             return answer
         except RemoteError as exc:
-            if actor_died(exc):  # its vLLM died inside a live actor
-                self.mark_dead(exc)
-                raise EngineDead(f"engine {self.index}: {self.error}") from exc
+            self._raise_if_died_inside(exc)
             raise
         except ChannelClosed as exc:
             await self._check_alive(exc)  # EngineDead when the actor is gone
