@@ -186,22 +186,27 @@ def test_turn_limits_and_kv_size_are_validated():
 
 
 def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
-    import subprocess
+    """The tool's own main (in this process: each case would otherwise pay a process's imports)."""
+    import importlib.util
 
-    def run(*argv):
-        return subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rollout.py"), "--json",
-                               str(tmp_path / "o.json"), *argv], capture_output=True, text=True, timeout=300)
+    spec = importlib.util.spec_from_file_location("bench_rollout_cli", ROOT / "tools" / "bench_rollout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
 
-    out = run("--workload", "task:arithmetic_calculator", "--model", "random", "--kv-tokens", "100")
-    assert out.returncode != 0 and "--kv-tokens: 100 cannot hold one 2048-token episode" in out.stderr
-    out = run("--workload", "bogus")
-    assert out.returncode != 0 and "--workload: 'bogus' is neither task:NAME nor traces:FILE" in out.stderr
-    out = run("--configs", "war,fastest")
-    assert out.returncode != 0 and "unknown configuration 'fastest'" in out.stderr
-    out = run("--workload", "traces:x.json", "--free-sampling")
-    assert out.returncode != 0 and "--free-sampling: a traces: workload replays recorded lengths" in out.stderr
-    out = run("--war-engines", "none", "--configs", "openrlhf,war,war_sched_only")
-    assert out.returncode != 0 and "--war-engines none: plain engines cannot draft, but war would" in out.stderr
+    def refused(*argv) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            mod.main(["--json", str(tmp_path / "o.json"), *argv])
+        return str(exit_.value.code)
+
+    assert "--kv-tokens: 100 cannot hold one 2048-token episode" in refused(
+        "--workload", "task:arithmetic_calculator", "--model", "random", "--kv-tokens", "100")
+    assert "--workload: 'bogus' is neither task:NAME nor traces:FILE" in refused("--workload", "bogus")
+    assert "unknown configuration 'fastest'" in refused("--configs", "war,fastest")
+    assert "--free-sampling: a traces: workload replays recorded lengths" in refused(
+        "--workload", "traces:x.json", "--free-sampling")
+    assert "--war-engines none: plain engines cannot draft, but war would" in refused(
+        "--war-engines", "none", "--configs", "openrlhf,war,war_sched_only")
+    assert not (tmp_path / "o.json").exists()
 
 
 def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):

@@ -461,6 +461,13 @@ def _summarise(runs, base_step):
     return out
 
 
+def check_kv_holds_an_episode(args) -> None:
+    """``--kv-tokens`` below ``--max-len``: refused (a real engine's KV always holds one sequence)."""
+    if args.kv_tokens is not None and args.kv_tokens < args.max_len:
+        raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one {args.max_len}-token episode (--max-len); "
+                         "a real engine's KV always holds one max-length sequence")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="task:arithmetic_calculator",
@@ -547,6 +554,7 @@ def main(argv=None):
             rows = dataset.generate(per_engine * args.engines, args.seed)
         n = args.n_samples
         args.max_len = args.max_len or 2048
+        check_kv_holds_an_episode(args)  # before a model is built or loaded
         model = resolve_model(args.model or "policy")
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         tool_text = "the task's own tools"
@@ -564,14 +572,12 @@ def main(argv=None):
                       sum(len(tokenizer.encode(o)) for o in t["observations"])
                       for r in rows for t in json.loads(r["label"])["trials"])
         args.max_len = args.max_len or -(-(longest + 64) // 1024) * 1024
+        check_kv_holds_an_episode(args)
         tool_text = (f"recorded steps, {args.tool_latency:g} s median x lognormal({args.tool_jitter:g})"
                      f" + {args.per_env_token:g} s/env token, drawn once")
     else:
         raise SystemExit(f"--workload: {args.workload!r} is neither task:NAME nor traces:FILE")
     prompts, labels = [r["prompt"] for r in rows], [r["label"] for r in rows]
-    if args.kv_tokens is not None and args.kv_tokens < args.max_len:
-        raise SystemExit(f"--kv-tokens: {args.kv_tokens} cannot hold one {args.max_len}-token episode (--max-len); "
-                         "a real engine's KV always holds one max-length sequence")
     cuda = cuda_available()
     ray.init(num_cpus=None if cuda else 4 * args.engines + (os.cpu_count() or 1), include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
