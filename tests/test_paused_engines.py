@@ -37,3 +37,19 @@ def test_paused_processes_burn_no_cpu_and_continue_afterwards_even_on_an_error()
     finally:
         busy.send_signal(signal.SIGKILL)
         busy.wait()
+
+
+def test_each_configuration_stops_the_other_engine_sets_and_never_its_own():
+    """What bench_rollout stops while a configuration runs: every other engine set's processes,
+    none of its own; configurations sharing one set (--same-engines) stop nothing of it."""
+    from war_openrlhf.metrics.paused_engines import idle_while
+
+    war, openrlhf, suffix = ["w0", "w1"], ["o0", "o1"], ["s0", "s1"]
+    sets = {"war": war, "war_spec_on": war, "openrlhf": openrlhf, "openrlhf_vllm_suffix": suffix}
+    trees = {id(war): [10, 11, 12], id(openrlhf): [20, 21], id(suffix): [30]}
+    idle = idle_while(sets, trees)
+    assert sorted(idle["war"]) == sorted(idle["war_spec_on"]) == [20, 21, 30]
+    assert sorted(idle["openrlhf"]) == [10, 11, 12, 30] and sorted(idle["openrlhf_vllm_suffix"]) == [10, 11, 12, 20, 21]
+    shared = idle_while({"war": war, "openrlhf": war}, {id(war): [10, 11]})
+    assert shared == {"war": [], "openrlhf": []}
+    assert idle_while(sets, {}) == dict.fromkeys(sets, [])  # --keep-idle-engines-running: nothing stopped

@@ -321,3 +321,54 @@ def test_calls_by_name_share_the_connection_with_turns_and_only_served_names_run
             server.close()
 
     _run(main())
+
+
+def test_periodic_calls_take_the_open_channel_and_fall_back_to_ray_when_it_closes():
+    """EngineClient's in-flight chunks, log pushes and load polls: on the loop's open channel when
+    there is one (not a Ray task); over Ray once it closed; an engine whose vLLM died inside its
+    actor (the error carried back on the channel) is marked dead."""
+    from war_openrlhf.rollout.engine_client import EngineClient, EngineDead
+
+    ray_calls = []
+
+    async def over_ray(name):
+        async def fn(*args):
+            ray_calls.append((name, args))
+            return [{"via": "ray"}]
+        return fn
+
+    async def chunks():
+        return [{"via": "channel"}]
+
+    async def load(step_cost=True):
+        raise EngineDeadError("engine core died")
+
+    async def main():
+        server = TurnChannelServer(_handler, calls={"inflight_chunks": chunks, "load": load})
+        address = await server.start("127.0.0.1")
+        handle = SimpleNamespace(generate_tokens=_RemoteMethod(_handler),
+                                 inflight_chunks=_RemoteMethod(await over_ray("inflight_chunks")),
+                                 load=_RemoteMethod(await over_ray("load")),
+                                 turn_channel=_RemoteMethod(lambda: _address(address)))
+        client = EngineClient(0, handle)
+        try:
+            assert await client.inflight_chunks() == [{"via": "ray"}]  # no channel opened yet: Ray
+            await client.open_channel()
+            assert await client.inflight_chunks() == [{"via": "channel"}] and client.channel_calls == 1
+            assert ray_calls == [("inflight_chunks", ())]
+            client._channel.close()  # the connection is lost
+            assert await client.inflight_chunks() == [{"via": "ray"}] and client.channel_calls == 1
+            assert client.healthy
+            await client.open_channel()
+            with pytest.raises(EngineDead):
+                await client._hot_call("load", True)
+            assert not client.healthy and "engine core died" in client.error
+        finally:
+            client.close_channel()
+            server.close()
+
+    _run(main())
+
+
+async def _address(address):
+    return address

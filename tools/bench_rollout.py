@@ -79,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from war_openrlhf.metrics import write_json  # noqa: E402
-from war_openrlhf.metrics.paused_engines import actor_process_trees, paused  # noqa: E402
+from war_openrlhf.metrics.paused_engines import actor_process_trees, idle_while, paused  # noqa: E402
 from war_openrlhf.metrics.process_cpu import cpu_delta, cpu_seconds_by_kind  # noqa: E402
 from war_openrlhf.metrics.tail import tail_figures  # noqa: E402
 
@@ -657,10 +657,9 @@ def main(argv=None):
             engines, prompts, labels, n, tokenizer, args.max_len, args.temperature, args.same_engines,
             vllm_suffix=method == "suffix"))
     # the processes of every engine set, stopped while a configuration on another set runs
-    trees = {id(h): actor_process_trees(h) for h in {id(h): h for h in engine_set.values()}.values()}
-    idle_of = {name: [] if args.keep_idle_engines_running else
-               [pid for key, pids in trees.items() if key != id(engine_set[name]) for pid in pids]
-               for name in configs}
+    trees = ({} if args.keep_idle_engines_running else
+             {id(h): actor_process_trees(h) for h in {id(h): h for h in engine_set.values()}.values()})
+    idle_of = idle_while(engine_set, trees)
     results = {c: [] for c in configs}
     for r in range(args.repeats):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
@@ -668,8 +667,8 @@ def main(argv=None):
             cpu0 = cpu_seconds_by_kind()
             with paused(idle_of[name]):
                 out = runners[name]()
-            # CPU seconds of every process kind during the run (both engine sets are alive: the
-            # idle one shows what an idle engine costs); see war_openrlhf/metrics/process_cpu.py
+            # CPU seconds of every process kind during the run (the other engine sets: stopped, or
+            # idle with --keep-idle-engines-running); see war_openrlhf/metrics/process_cpu.py
             out["cpu_s_by_process"] = cpu_delta(cpu0, cpu_seconds_by_kind())
             results[name].append(out)
             busiest = sorted(out["cpu_s_by_process"].items(), key=lambda kv: -kv[1])[:6]

@@ -16,7 +16,6 @@ import numpy as np
 
 from war_openrlhf.speculation.index import Draft, GlobalSuffixIndex
 
-
 __all__ = ["WarSuffixCache"]
 
 _SOURCES = ("request", "group", "inflight", "live", "global")

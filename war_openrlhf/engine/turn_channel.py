@@ -187,29 +187,24 @@ class TurnChannelClient:
 
     async def request(self, fields: bytes) -> dict[str, Any]:
         """Send a request :meth:`encode` packed; its answer (or the engine's :class:`RemoteError`)."""
-        if self.closed:
-            raise ChannelClosed("turn channel closed")
-        number = next(self._numbers)
-        future = self.loop.create_future()
-        self._waiting[number] = future
-        try:  # a 6-item array: its number, then the packed fields
-            self._writer.write(_frame(b"\x96" + msgpack.packb(number) + fields))
-            if self._writer.transport.get_write_buffer_size() > (4 << 20):
-                await self._writer.drain()
-            return await future
-        finally:
-            self._waiting.pop(number, None)
+        # a 6-item array: its number, then the packed fields
+        return await self._send(lambda number: b"\x96" + msgpack.packb(number) + fields)
 
     async def call(self, name: str, *args: Any) -> Any:
         """One of the server's ``calls`` (msgpack-native arguments); its result, or the engine's
         :class:`RemoteError`."""
+        # a 3-item array: its number, the name, the arguments
+        return await self._send(lambda number: msgpack.packb([number, name, list(args)], use_bin_type=True))
+
+    async def _send(self, body: Callable[[int], bytes]) -> Any:
+        """Frame ``body(number)`` under the next request number and wait for its answer."""
         if self.closed:
             raise ChannelClosed("turn channel closed")
         number = next(self._numbers)
         future = self.loop.create_future()
         self._waiting[number] = future
-        try:  # a 3-item array: its number, the name, the arguments
-            self._writer.write(_frame(msgpack.packb([number, name, list(args)], use_bin_type=True)))
+        try:
+            self._writer.write(_frame(body(number)))
             if self._writer.transport.get_write_buffer_size() > (4 << 20):
                 await self._writer.drain()
             return await future

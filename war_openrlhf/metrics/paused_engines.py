@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import psutil
 
-__all__ = ["actor_process_trees", "paused"]
+__all__ = ["actor_process_trees", "idle_while", "paused"]
 
 
 def actor_process_trees(handles: Sequence) -> list[int]:
@@ -38,6 +38,14 @@ def actor_process_trees(handles: Sequence) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def idle_while(engine_sets: Mapping[str, object], trees: Mapping[int, Sequence[int]]) -> dict[str, list[int]]:
+    """For each configuration (``engine_sets``: its name -> the engine handles it runs on), the pids
+    of every *other* engine set (``trees``: ``id(handles)`` -> pids): what is stopped while it runs.
+    Configurations that share one set (``--same-engines``) stop nothing of it."""
+    return {name: [pid for key, pids in trees.items() if key != id(handles) for pid in pids]
+            for name, handles in engine_sets.items()}
 
 
 def _signal_all(pids: Iterable[int], sig: int) -> None:
