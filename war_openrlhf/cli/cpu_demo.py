@@ -1,7 +1,7 @@
 """The CPU demo: GRPO through OpenRLHF's real Ray trainer with WAR rollouts, on a 2-core machine.
 
     python -m war_openrlhf.cli.cpu_demo [--config configs/cpu_demo.yaml] [--out runs/cpu_demo]
-                                        [--seed N] [--no-compare]
+                                        [--seed N] [--no-compare] [--json FILE]
 
 1. builds the demo's agent policy locally when the config's model directory does not hold
    it yet (cached): the tiny Llama of :mod:`war_openrlhf.fixtures.tiny_policy`, trained
@@ -18,6 +18,12 @@
    settings, one warm-up each first) and reports the measured ratio;
 5. turns the TensorBoard logs into ``<out>/summary.png`` and prints a one-screen summary.
 
+Every run writes its record (``<out>/demo_run.json``, or ``--json FILE``): the time of each
+stage and of the whole job (with the install time ``scripts/main.sh`` measured, when it ran it),
+the machine's peak memory in use (:mod:`war_openrlhf.metrics.memory_watch`), the rewards and
+drafting figures of the summary and the side-by-side steps; ``docs/benchmarks.md`` renders
+committed records.
+
 A config whose model directory holds some other model (``config.json`` and no policy
 manifest) trains that model as it is. The output directory is cleared first, so the plot
 and summary describe this run only.
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -37,6 +44,8 @@ from pathlib import Path
 import yaml
 
 from ..config_checks import config_path
+from ..metrics import write_json
+from ..metrics.memory_watch import MemoryWatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,8 +124,7 @@ def compare_rollouts(model: Path, data: Path, out: Path, engines: int, prompts_p
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The demo's five stages in order; one function over 80 lines on purpose: it reads as the
-    README lists the stages, each a call of its own."""
+    """Parse the arguments, run the demo under a memory watch, write its record."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(config_path("cpu_demo")))
     ap.add_argument("--out", default=str(ROOT / "runs" / "cpu_demo"),
@@ -124,8 +132,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=None, help="training seed (default: the config's train.seed)")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the side-by-side rollout step (OpenRLHF's path vs the WAR pool)")
+    ap.add_argument("--json", default=None,
+                    help="where to write the run's record (default: <out>/demo_run.json)")
     args = ap.parse_args(argv)
+    with MemoryWatch() as memory:
+        record = _demo(args)
+    record["memory"] = memory.summary()
+    install_s = os.environ.get("WAR_INSTALL_S")
+    record["install_s"] = float(install_s) if install_s else None
+    how = ["bash", "scripts/main.sh"] if install_s else ["python", "-m", "war_openrlhf.cli.cpu_demo"]
+    path = write_json(args.json or Path(record["out"]) / "demo_run.json", record,
+                      command=shlex.join(how + list(sys.argv[1:] if argv is None else argv)))
+    mem = record["memory"]
+    print(f"Peak memory:      {mem['peak_gib']:.1f} GiB in use on the machine "
+          f"({mem['peak_added_gib']:.1f} GiB above the {mem['baseline_gib']:.1f} GiB before the demo)")
+    print(f"Run record:       {path}")
+
+
+def _demo(args) -> dict:
+    """The demo's five stages; returns the run's record (stage times, summary figures,
+    the side-by-side). One function over 80 lines on purpose: it reads as the README lists
+    the stages, each a call of its own."""
     t0 = time.time()
+    stages: dict[str, float] = {}
     cfg = yaml.safe_load(Path(args.config).read_text())
     o = cfg["openrlhf"]
     out = Path(args.out).absolute()
@@ -133,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = _absolute(o["actor.model_name_or_path"])
     print(f"[1/5] policy: {model_dir}", flush=True)
     what = prepare_model(model_dir)
+    stages["policy"] = time.time() - t0
     print(f"      {what} ({time.time() - t0:.0f} s)", flush=True)
 
     data = _absolute(o["data.prompt_dataset"])
@@ -154,9 +184,13 @@ def main(argv: list[str] | None = None) -> None:
     run_cfg = out / "config.yaml"
     run_cfg.write_text(yaml.safe_dump(cfg, sort_keys=False))
     print(f"[3/5] training: war-train --config {run_cfg}  (log: {out / 'train.log'})", flush=True)
+    t = time.time()
+    stages["dataset"] = t - t0 - stages["policy"]
     _train(run_cfg, out, t0)
+    stages["training"] = time.time() - t
 
     comparison = None
+    t = time.time()
     if not args.no_compare:
         print("[4/5] side by side: rollout steps (median of 3), OpenRLHF's path vs the WAR pool, trained policy, "
               f"equal work: one recorded step replayed by both (log: {out / 'side_by_side.log'})", flush=True)
@@ -173,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                                      "every turn at its recorded length); median of 3 steps each after a warm-up")}
     else:
         print("[4/5] side by side: skipped (--no-compare)", flush=True)
+    stages["side_by_side"] = time.time() - t
 
-    from ..metrics.run_summary import load_scalars, plot, summary_lines
+    from ..metrics.run_summary import load_scalars, plot, summary_lines, summary_values
 
     print("[5/5] summary", flush=True)
     scalars = load_scalars(out / "tensorboard")
@@ -190,14 +225,23 @@ def main(argv: list[str] | None = None) -> None:
               "steps each, min-max in brackets)")
         print(f"                             tokens/s: openrlhf {base['throughput_tok_s']:,.0f}, war "
               f"{war['throughput_tok_s']:,.0f} -> {war['throughput_tok_s'] / base['throughput_tok_s']:.2f}x")
-        print("  The policy samples at temperature 1, so the two paths generate different text: a step's time is "
-              "set by its longest episode (one that never answers runs to the length cap), and one step on a "
-              "2-core CPU shared with the Ray actors moves 10-25%. Read the ratio as noisy; docs/benchmarks.md "
-              "has longer measurements on forced-length workloads.")
+        print("  Equal work: both paths replayed one recorded step of the trained policy, every turn forced to "
+              "its recorded length, so the ratio is speed, not which path drew the longest episode; repeats "
+              "of one step on a 2-core CPU still move (the min-max in brackets).")
     print(f"\nTensorBoard logs: {out / 'tensorboard'}   (tensorboard --logdir {out / 'tensorboard'})")
     print(f"Summary plot:     {png}")
     print(f"Trained policy:   {out / 'model'}")
-    print(f"Total time:       {time.time() - t0:.0f} s")
+    total = time.time() - t0
+    print(f"Total time:       {total:.0f} s")
+    stages["summary"] = total - sum(stages.values())
+    side = None
+    if comparison and "openrlhf" in comparison["configs"] and "war" in comparison["configs"]:
+        keep = ("step_s", "step_s_runs", "step_s_spread", "throughput_tok_s", "x_openrlhf")
+        side = {"regime": comparison["regime"],
+                "configs": {c: {k: v.get(k) for k in keep} for c, v in comparison["configs"].items()},
+                "x_openrlhf": comparison["configs"]["openrlhf"]["step_s"] / comparison["configs"]["war"]["step_s"]}
+    return {"out": str(out), "seed": o.get("train.seed"), "policy": what, "demo_s": total, "stages_s": stages,
+            "summary": summary_values(scalars), "side_by_side": side}
 
 
 if __name__ == "__main__":

@@ -871,6 +871,74 @@ def resume_check_reading(d: dict) -> str:
     return " ".join(parts)
 
 
+# ---- the CPU demo's runs (war_openrlhf/cli/cpu_demo.py records) ------------------------------
+DEMO_MINUTES, DEMO_GIB, DEMO_TPV, DEMO_REWARD_GAIN, DEMO_SIDE_X = 10.0, 12.0, 1.5, 0.1, 1.3
+
+
+def _demo_side(d: dict) -> tuple:
+    side = d.get("side_by_side") or {}
+    c = side.get("configs") or {}
+    return c.get("openrlhf"), c.get("war"), side.get("x_openrlhf")
+
+
+def _demo_total_min(d: dict) -> float:
+    return ((d.get("install_s") or 0.0) + d["demo_s"]) / 60
+
+
+@renderer("demo_runs")
+def demo_runs(*docs: dict) -> str:
+    """One row per recorded run of the main job: time, memory, learning, drafting, side by side."""
+    rows = []
+    for i, d in enumerate(docs, 1):
+        s = d["summary"]
+        base, war, x = _demo_side(d)
+        step = lambda c: "-" if not c else f"{c['step_s']:.2f} ({c['step_s_spread'][0]:.2f}-{c['step_s_spread'][1]:.2f})"  # noqa: E731
+        rows.append([str(i), d["written_at"][:10], str(d.get("seed")), num(d.get("install_s"), ".0f"),
+                     f"{d['demo_s']:.0f}", f"{_demo_total_min(d):.1f}", f"{d['memory']['peak_gib']:.1f}",
+                     f"{num(s['reward_first2'], '.3f')} -> {num(s['reward_last2'], '.3f')}",
+                     num(s["tokens_per_verification_step"], ".2f"), num(s["acceptance"], ".2f"),
+                     step(base), step(war), num(x, ".2f")])
+    return md_table(["run", "date", "seed", "install s", "demo s", "total min", "peak memory GiB",
+                     "reward first 2 -> last 2", "tokens / verification step", "acceptance",
+                     "side by side: openrlhf step s", "war step s", "x openrlhf"],
+                    ["r", "l", "r", "r", "r", "r", "r", "l", "r", "r", "r", "r", "r"], rows)
+
+
+@renderer("demo_runs_reading")
+def demo_runs_reading(*docs: dict) -> str:
+    """Each of the main job's targets over the recorded runs, met or missed, computed."""
+    n = len(docs)
+
+    def verdict(ok: list[bool]) -> str:
+        return f"{sum(ok)} of {n} runs: " + ("met" if all(ok) else "**missed**")
+
+    total = [_demo_total_min(d) for d in docs]
+    mem = [d["memory"]["peak_gib"] for d in docs]
+    tpv = [d["summary"]["tokens_per_verification_step"] for d in docs]
+    gain = [None if d["summary"]["reward_first2"] is None or d["summary"]["reward_last2"] is None
+            else d["summary"]["reward_last2"] - d["summary"]["reward_first2"] for d in docs]
+    side = [_demo_side(d)[2] for d in docs]
+    fresh = [d for d in docs if (d.get("install_s") or 0.0) > 30]
+    parts = [
+        f"Over {n} recorded runs of the main job: the whole job (install + demo) took "
+        f"{min(total):.1f}-{max(total):.1f} min (target <= {DEMO_MINUTES:g}: "
+        f"{verdict([t <= DEMO_MINUTES for t in total])}"
+        + (f"; {len(fresh)} of them installed the stack from an empty `.venv`" if fresh else
+           "; none installed from an empty `.venv`") + ").",
+        f"Peak memory in use on the machine {min(mem):.1f}-{max(mem):.1f} GiB (target <= {DEMO_GIB:g}: "
+        f"{verdict([m <= DEMO_GIB for m in mem])}).",
+        f"Tokens per verification step {min(x for x in tpv if x is not None):.2f}-"
+        f"{max(x for x in tpv if x is not None):.2f} (target >= {DEMO_TPV:g}: "
+        f"{verdict([x is not None and x >= DEMO_TPV for x in tpv])})." if any(x is not None for x in tpv) else
+        "No run logged tokens per verification step.",
+        f"Reward, last two steps over the first two: {', '.join('-' if g is None else f'{g:+.3f}' for g in gain)} "
+        f"(target >= +{DEMO_REWARD_GAIN:g}: {verdict([g is not None and g >= DEMO_REWARD_GAIN for g in gain])}).",
+        f"Side by side on equal work, `war` over `openrlhf`: {', '.join('-' if x is None else f'{x:.2f}x' for x in side)} "
+        f"(target >= {DEMO_SIDE_X:g}x in every run: {verdict([x is not None and x >= DEMO_SIDE_X for x in side])}).",
+    ]
+    return " ".join(parts)
+
+
 # ---- a long run (tools/long_run.py) ---------------------------------------------------------
 @renderer("long_run")
 def long_run(d: dict) -> str:

@@ -45,40 +45,60 @@ def _get(scalars, *names):
     return []
 
 
-def summary_lines(scalars) -> list[str]:
-    def last(*names):
-        s = _get(scalars, *names)
-        return s[-1][1] if s else None
-
+def summary_values(scalars) -> dict:
+    """The run's headline figures (means over steps where a figure is logged per step; None
+    where the run logged nothing of it): what the text summary prints and a run record keeps."""
     def mean(*names):
         s = _get(scalars, *names)
         return sum(v for _, v in s) / len(s) if s else None
 
-    def fmt(v, spec=".3f"):
-        return "n/a" if v is None else format(v, spec)
-
-    steps = max((len(v) for k, v in scalars.items() if k.startswith("train/")), default=0)
     rewards = [v for _, v in _get(scalars, "train/reward", "war/reward_mean")]
     first2, last2 = reward_ends(scalars)
-    per_engine = [
-        f"  engine {i}: acceptance {fmt(mean(f'war/engine{i}_spec_acceptance_rate'))}, "
-        f"tokens / verification step {fmt(mean(f'war/engine{i}_tokens_per_verification_step'), '.2f')}"
-        for i in range(len(_matching(scalars, "war/engine*_spec_acceptance_rate")))
-    ]
+    engines = len(_matching(scalars, "war/engine*_spec_acceptance_rate"))
+    return {
+        "steps": max((len(v) for k, v in scalars.items() if k.startswith("train/")), default=0),
+        "reward_first": rewards[0] if rewards else None,
+        "reward_last": rewards[-1] if rewards else None,
+        "reward_first2": first2,
+        "reward_last2": last2,
+        "rollout_tokens_per_s": mean("war/rollout_tokens_per_s"),
+        "speculating_fraction": mean("war/speculating_fraction"),
+        "acceptance": mean("war/spec_acceptance_rate"),
+        "tokens_per_verification_step": mean("war/tokens_per_verification_step"),
+        "engines": [{"acceptance": mean(f"war/engine{i}_spec_acceptance_rate"),
+                     "tokens_per_verification_step": mean(f"war/engine{i}_tokens_per_verification_step")}
+                    for i in range(engines)],
+        "prefix_hit_rate": mean("war/prefix_hit_rate_engine"),
+        "episode_turns_mean": mean("war/episode_turns_mean"),
+        "generation_s_per_step": mean("train/timing/generation"),
+        "train_s_per_step": mean("train/timing/ppo_train"),
+        "weight_sync_s_per_step": mean("train/timing/broadcast"),
+    }
+
+
+def summary_lines(scalars) -> list[str]:
+    v = summary_values(scalars)
+
+    def fmt(x, spec=".3f"):
+        return "n/a" if x is None else format(x, spec)
+
+    per_engine = [f"  engine {i}: acceptance {fmt(e['acceptance'])}, "
+                  f"tokens / verification step {fmt(e['tokens_per_verification_step'], '.2f')}"
+                  for i, e in enumerate(v["engines"])]
     return [
-        f"steps:                      {steps}",
-        f"reward first -> last:       {fmt(rewards[0] if rewards else None)} -> {fmt(rewards[-1] if rewards else None)}",
-        f"reward first 2 -> last 2:   {fmt(first2)} -> {fmt(last2)}",
-        f"rollout tokens/s (mean):    {fmt(mean('war/rollout_tokens_per_s'), ',.0f')}",
-        f"speculating fraction:       {fmt(mean('war/speculating_fraction'))}",
-        f"draft acceptance rate:      {fmt(mean('war/spec_acceptance_rate'))}",
-        f"tokens / verification step: {fmt(mean('war/tokens_per_verification_step'), '.2f')}",
+        f"steps:                      {v['steps']}",
+        f"reward first -> last:       {fmt(v['reward_first'])} -> {fmt(v['reward_last'])}",
+        f"reward first 2 -> last 2:   {fmt(v['reward_first2'])} -> {fmt(v['reward_last2'])}",
+        f"rollout tokens/s (mean):    {fmt(v['rollout_tokens_per_s'], ',.0f')}",
+        f"speculating fraction:       {fmt(v['speculating_fraction'])}",
+        f"draft acceptance rate:      {fmt(v['acceptance'])}",
+        f"tokens / verification step: {fmt(v['tokens_per_verification_step'], '.2f')}",
         *per_engine,
-        f"prefix hit rate (engines):  {fmt(mean('war/prefix_hit_rate_engine'))}",
-        f"episode turns (mean):       {fmt(mean('war/episode_turns_mean'), '.2f')}",
-        f"generation s / step:        {fmt(mean('train/timing/generation'), '.1f')}",
-        f"train s / step:             {fmt(mean('train/timing/ppo_train'), '.1f')}",
-        f"weight sync s / step:       {fmt(mean('train/timing/broadcast'), '.2f')}",
+        f"prefix hit rate (engines):  {fmt(v['prefix_hit_rate'])}",
+        f"episode turns (mean):       {fmt(v['episode_turns_mean'], '.2f')}",
+        f"generation s / step:        {fmt(v['generation_s_per_step'], '.1f')}",
+        f"train s / step:             {fmt(v['train_s_per_step'], '.1f')}",
+        f"weight sync s / step:       {fmt(v['weight_sync_s_per_step'], '.2f')}",
     ]
 
 
