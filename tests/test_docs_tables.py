@@ -109,7 +109,8 @@ def _spreads(node):
 @pytest.mark.parametrize("path", _result_files(), ids=_rel)
 def test_every_result_file_records_its_provenance_and_its_runs(path):
     d = read_json(path)
-    assert isinstance(d.get("command"), str) and d["command"].startswith("python "), "the command that wrote it"
+    assert isinstance(d.get("command"), str) and d["command"].startswith(("python ", "bash scripts/")), \
+        "the command that wrote it"
     assert re.fullmatch(r"[0-9a-f]{40}", (d.get("git") or {}).get("commit", "")), "the git commit it ran from"
     machine = d.get("machine") or {}
     assert machine.get("cpu_model") and machine.get("cpus"), "the machine: CPU model and cores"

@@ -116,7 +116,7 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
         sets = prompt_sets(prompts, batches, repeats)
         rows = []
         for b in batches:
-            rates = []
+            rates, wall = [], 0.0
             before = _spec(llm)
             sw0 = llm.collective_rpc(RPC_INDEX_STATS, args=(False,))[0]["switch"] if name.startswith("war") else None
             for r in range(repeats):
@@ -125,6 +125,7 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                 t0 = time.perf_counter()
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
+                wall += dt
                 toks = sum(len(o.outputs[0].token_ids) for o in outs)
                 rates.append(toks / dt)
             after = _spec(llm)
@@ -132,7 +133,11 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
             row = {"config": name, "batch": b, "tokens_per_s": tps["median"], "tokens_per_s_min": tps["min"],
                    "tokens_per_s_max": tps["max"], "tokens_per_s_runs": tps["runs"],
                    "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-                   "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"]}
+                   "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
+                   "drafts": after["num_drafts"] - before["num_drafts"], "wall_s": wall}
+            # tokens a request gains per verification (a step in which it carried a draft)
+            row["tokens_per_verification_step"] = (1 + row["accepted_tokens"] / row["drafts"]
+                                                   if row["drafts"] else None)
             if name.startswith("war"):
                 st = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0]
                 sw1 = st["switch"]
@@ -143,6 +148,10 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
                 row["switch_reason"] = st["switch"]["decision_reason"]
                 row["table"] = st["switch"]["table"]
                 row["drafter_step_us"] = st["step_trace"]["drafter_us"]
+                row["engine_steps"] = steps
+                # the drafter's share of the engine's time at this batch: its mean per step x steps / wall
+                row["drafter_share"] = (st["step_trace"]["drafter_us"]["mean"] * 1e-6 * steps / wall
+                                        if wall and steps else None)
             rows.append(row)
             print(f"  {name:12s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
                   flush=True)

@@ -408,6 +408,83 @@ def tiny_policy_target(d: dict) -> str:
     return text + "\n"
 
 
+# ---- drafting in one engine (tools/bench_engine.py) ------------------------------------
+DRAFTER_SHARE_TARGET, DRAFTER_TARGET_BATCH = 0.03, 32
+
+
+@renderer("engine_drafter")
+def engine_drafter(d: dict) -> str:
+    """Per batch and configuration (tools/bench_engine.py): tokens/s, tokens per verification
+    step, and for WAR's drafters their time per step and share of the engine's time."""
+    rows = []
+    for name, runs in d["results"].items():
+        for r in runs:
+            us = r.get("drafter_step_us")
+            rows.append([str(r["batch"]), f"`{name}`",
+                         f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f})",
+                         num(r.get("tokens_per_verification_step"), ".2f"),
+                         num(r["accepted_tokens"] / r["draft_tokens"] if r.get("draft_tokens") else None, ".2f"),
+                         num(us["p50"] if us else None, ".0f"), num(us["mean"] if us else None, ".0f"),
+                         "-" if r.get("drafter_share") is None else f"{100 * r['drafter_share']:.1f}%"])
+    rows.sort(key=lambda row: int(row[0]))
+    return md_table(["batch", "config", "tok/s (min-max)", "tokens / verification step", "acceptance",
+                     "drafter us / step p50", "mean", "drafter share of the engine's time"],
+                    ["r", "l", "r", "r", "r", "r", "r", "r"], rows)
+
+
+@renderer("engine_drafter_reading")
+def engine_drafter_reading(d: dict) -> str:
+    """The drafting targets on this file: WAR's tokens per verification step against vLLM's
+    suffix method on the same requests, and the drafter's share of an engine step at batch 32."""
+    res = d["results"]
+    parts = []
+    if "vllm_suffix" in res:
+        for name in (n for n in res if n.startswith("war_on")):
+            pairs = [(a["batch"], a.get("tokens_per_verification_step"), b.get("tokens_per_verification_step"))
+                     for a, b in zip(res[name], res["vllm_suffix"])]
+            ok = [w is not None and v is not None and w >= v for _, w, v in pairs]
+            parts.append(f"`{name}` against `vllm_suffix`, tokens per verification step by batch: "
+                         + ", ".join(f"{b}: {num(w, '.2f')} vs {num(v, '.2f')}" for b, w, v in pairs)
+                         + f" (target >= vLLM's: {'met' if all(ok) else 'missed'} at {sum(ok)} of {len(ok)} batches).")
+    for name in (n for n in res if n.startswith("war_on")):
+        at = [r for r in res[name] if r["batch"] == DRAFTER_TARGET_BATCH and r.get("drafter_share") is not None]
+        if at:
+            share = at[0]["drafter_share"]
+            parts.append(f"`{name}`'s drafter at batch {DRAFTER_TARGET_BATCH}: {100 * share:.1f}% of the engine's time "
+                         f"(target <= {100 * DRAFTER_SHARE_TARGET:.0f}%: "
+                         f"{'met' if share <= DRAFTER_SHARE_TARGET else 'missed'}).")
+    parts.append(f"({load_note(d)})")
+    return " ".join(parts)
+
+
+SWITCH_SLACK = 0.05
+
+
+@renderer("engine_switch_reading")
+def engine_switch_reading(d: dict) -> str:
+    """The load-aware switch's targets on bench_engine's sweep: never more than 5% slower than
+    the faster of drafting always on and always off, and faster than plain vLLM at batch 1."""
+    res = d["results"]
+    need = {"off", "war_off", "war_on", "war_auto"}
+    if not need <= set(res):
+        return f"The sweep lacks {', '.join(sorted(need - set(res)))}: the switch's targets are not checked on it."
+    by = {n: {r["batch"]: r for r in res[n]} for n in need}
+    batches = sorted(by["war_auto"])
+    ratios = {b: by["war_auto"][b]["tokens_per_s"] / max(by["war_on"][b]["tokens_per_s"],
+                                                          by["war_off"][b]["tokens_per_s"]) for b in batches}
+    worst = min(ratios, key=ratios.get)
+    b1 = min(batches)
+    x_off = by["war_auto"][b1]["tokens_per_s"] / by["off"][b1]["tokens_per_s"]
+    fracs = ", ".join(f"{b}: {by['war_auto'][b]['spec_step_fraction']:.2f}" for b in batches
+                      if by["war_auto"][b].get("spec_step_fraction") is not None)
+    return (f"`war_auto` against the faster of `war_on` and `war_off` (median tokens/s), by batch: "
+            + ", ".join(f"{b}: {ratios[b]:.2f}x" for b in batches)
+            + f"; worst {ratios[worst]:.2f}x at batch {worst} (target >= {1 - SWITCH_SLACK:.2f}x at every batch: "
+            f"{'met' if ratios[worst] >= 1 - SWITCH_SLACK else 'missed'}). At batch {b1}, `war_auto` "
+            f"{x_off:.2f}x plain vLLM (`off`; target > 1: {'met' if x_off > 1 else 'missed'}). "
+            f"Share of steps the switch drafted, by batch: {fracs}. ({load_note(d)})")
+
+
 # ---- the engine tax (tools/bench_engine_tax.py) --------------------------------------
 @renderer("engine_tax")
 def engine_tax(d: dict) -> str:
