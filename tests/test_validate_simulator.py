@@ -70,3 +70,69 @@ def test_runs_without_a_matching_cost_model_or_prediction_are_listed_not_dropped
     bad.write_text(json.dumps({"model": ""}))
     with pytest.raises(SystemExit, match="not a fitted cost model"):
         vs.main([str(_task_run(tmp_path, "cost_policy.json")), "--cost-models", str(bad), "--json", str(out)])
+
+
+# ---------------------------------------------------------- plain engines priced by their own fit
+import bench_rollout as br  # noqa: E402
+
+
+@pytest.mark.parametrize("name, same_engines, war_engines, kind", [
+    ("openrlhf", False, "auto", "plain"),               # OpenRLHF's own engines
+    ("openrlhf", True, "auto", "speculative"),          # its executor on WAR's drafting engines
+    ("openrlhf", True, "none", "plain"),
+    ("openrlhf_vllm_suffix", False, "auto", "speculative"),
+    ("war", False, "auto", "speculative"),
+    ("war_sched_only", False, "auto", "speculative"),   # drafting off, the speculative config stays
+    ("war", False, "none", "plain"),
+])
+def test_each_configuration_is_priced_as_the_engines_it_ran_on(name, same_engines, war_engines, kind):
+    assert br.engine_kind(name, same_engines, war_engines) == kind
+
+
+def _trajectories(n=8, turns=3):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        ctx, ts = rng.integers(5, 500, size=200).astype(np.int32), []
+        for _ in range(turns):
+            resp = rng.integers(5, 500, size=40).astype(np.int32)
+            ts.append(SimpleNamespace(context_token_ids=ctx, response_token_ids=resp, env_token_count=20))
+            ctx = np.concatenate([ctx, resp, rng.integers(5, 500, size=20).astype(np.int32)])
+        out.append(SimpleNamespace(trajectory_id=f"t{i}", group_id=f"g{i // 4}", turns=ts,
+                                   tool_delays_s=[0.05] * (turns - 1)))
+    return out
+
+
+def test_a_plain_fit_moves_only_the_configurations_on_plain_engines(tmp_path):
+    from war_openrlhf.simulation.cost_model import get_preset
+
+    spec = ROOT / "benchmarks" / "results" / "engine" / "cost_serving_cpu_policy.json"
+    model = get_preset(str(spec))
+    faster = model.with_overrides(step_overhead_s=model.step_overhead_s / 2, decode_per_seq_s=model.decode_per_seq_s / 2)
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"cost_model": faster.to_dict()}))
+    summary = {"openrlhf": {}, "war": {}}
+    trajs = _trajectories()
+    one = br.simulate_configs(trajs, str(spec), 2, None, summary)
+    two = br.simulate_configs(trajs, str(spec), 2, None, summary, str(plain))
+    assert two["war"]["step_s"] == one["war"]["step_s"]
+    assert two["openrlhf"]["step_s"] < 0.8 * one["openrlhf"]["step_s"]
+    assert two["war"]["x_openrlhf"] < one["war"]["x_openrlhf"]
+    same = br.simulate_configs(trajs, str(spec), 2, None, summary, str(plain), same_engines=True)
+    assert same["openrlhf"]["step_s"] == one["openrlhf"]["step_s"]  # on WAR's engines: the speculative fit
+
+
+def test_a_plain_fit_alone_does_not_stand_in_for_the_drafting_engines_fit(tmp_path):
+    plain = tmp_path / "cost_policy_plain.json"
+    plain.write_text(json.dumps({"benchmark": "engine_step_costs_serving", "model": "/m/war_tiny_policy",
+                                 "engine_kind": "plain", "cost_model": {}}))
+    out = tmp_path / "validation.json"
+    assert vs.main([str(_task_run(tmp_path, "cost_policy.json")), "--cost-models", str(plain),
+                    "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["runs"] == [] and "no cost model fitted to its model" in d["skipped"][0]["reason"]
+    assert d["plain_cost_models"] and not d["cost_models"]

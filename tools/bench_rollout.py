@@ -220,12 +220,28 @@ SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("l
                 "war_kv_events": ("war", True)}
 
 
-def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict) -> dict:
+def engine_kind(name: str, same_engines: bool = False, war_engines: str = "auto") -> str:
+    """The engines a configuration runs on, as the simulator prices them: ``plain`` (no
+    speculative config: OpenRLHF's own engines, or the WAR pool's with ``--war-engines none``)
+    or ``speculative`` (vLLM's suffix method, WAR's drafting engines even with drafting off:
+    in vLLM 0.29 a speculative config alone changes the engine, e.g. no async scheduling)."""
+    if name == "openrlhf":
+        return "speculative" if same_engines and war_engines != "none" else "plain"
+    if name == "openrlhf_vllm_suffix":
+        return "speculative"
+    return "plain" if war_engines == "none" else "speculative"
+
+
+def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict,
+                     plain_cost_model: str | None = None, same_engines: bool = False,
+                     war_engines: str = "auto") -> dict:
     """Predicted speed-up over ``openrlhf`` (its step time / the config's) of every measured
-    configuration, from the simulator with the fitted ``cost_model``. Speculation enters as the
-    configuration's measured tokens per verification step, acceptance and speculating fraction
-    (the simulator does not predict acceptance); everything else (prefill, prefix caching at the
-    engine's block size, KV limits, batching, placement, tool delays) is the simulator's own."""
+    configuration, from the simulator with the fitted ``cost_model`` (and ``plain_cost_model``,
+    when given, for the configurations on plain engines: :func:`engine_kind`). Speculation
+    enters as the configuration's measured tokens per verification step, acceptance and
+    speculating fraction (the simulator does not predict acceptance); everything else (prefill,
+    prefix caching at the engine's block size, KV limits, batching, placement, tool delays) is
+    the simulator's own."""
     import numpy as np
 
     from war_openrlhf.simulation.cluster import SimConfig, prepare_trajectories, simulate
@@ -241,7 +257,9 @@ def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None
             per_spec_step = d["tokens_per_verification_step"]
             tps = frac * per_spec_step + (1.0 - frac)
             drafted = frac * (per_spec_step - 1.0) / d["acceptance"]
-        cfg = SimConfig(num_engines=engines, preset=cost_model, kv_capacity_tokens=kv_tokens,
+        plain = plain_cost_model is not None and engine_kind(name, same_engines, war_engines) == "plain"
+        cfg = SimConfig(num_engines=engines, preset=plain_cost_model if plain else cost_model,
+                        kv_capacity_tokens=kv_tokens,
                         spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0)
         steps[name] = simulate(prepared, policy, cfg).makespan_s
     base = steps.get("openrlhf")
@@ -508,6 +526,9 @@ def main(argv=None):
     ap.add_argument("--cost-model", default=None, metavar="FILE.json",
                     help="traces: also run the workload through the simulator with this fitted cost model "
                          "(bench_engine.py --fit-costs) and report predicted vs measured speed-up per config")
+    ap.add_argument("--plain-cost-model", default=None, metavar="FILE.json",
+                    help="with --cost-model: the cost model fitted on plain engines (fit_serving_costs.py "
+                         "--engine-kind plain) for the configurations that run on them (OpenRLHF's own engines)")
     ap.add_argument("--keep-idle-engines-running", action="store_true",
                     help="leave the engine sets of the other configurations running (idle) during each run "
                          "(default: stopped, so that their idle CPU does not slow the measured one)")
@@ -694,6 +715,7 @@ def main(argv=None):
         out = {"benchmark": "rollout", "cuda": cuda,
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
                "model": str(model), "engines": args.engines, "same_engines": args.same_engines,
+               "war_engines": args.war_engines,
                "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "regime": regime,
                "prompts": len(prompts), "n_samples": n, "episodes": len(prompts) * n, "max_len": args.max_len,
                "equal_work": equal_work,
@@ -714,7 +736,7 @@ def main(argv=None):
             raise SystemExit("--cost-model: the simulator replays trace workloads and recorded task runs "
                              "(not --free-sampling) only")
         sim = simulate_configs(replay_trajectories(rows, tokenizer, n, args.seed), args.cost_model, args.engines,
-                               kv_tokens, summary)
+                               kv_tokens, summary, args.plain_cost_model, args.same_engines, args.war_engines)
         simulated = {c: v["x_openrlhf"] for c, v in sim.items()}
         for c, v in sim.items():
             measured = summary[c].get("x_openrlhf")
@@ -723,7 +745,7 @@ def main(argv=None):
             summary[c]["simulated_over_measured"] = (round(v["x_openrlhf"] / measured, 3)
                                                      if measured and v["x_openrlhf"] else None)
     if simulated:
-        write(simulated=simulated, cost_model=args.cost_model)
+        write(simulated=simulated, cost_model=args.cost_model, plain_cost_model=args.plain_cost_model)
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)

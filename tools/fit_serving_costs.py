@@ -22,6 +22,12 @@ phases per repeat and shape, in rotating order:
 
 The drafting costs (``spec_step_s``, ``draft_token_s``, ``draft_context_token_s``) are taken from an in-process fit
 (``--spec-costs FILE`` from ``bench_engine.py --fit-costs``) when given.
+
+``--engine-kind``: ``speculative`` (the default) measures WAR's drafting engines, which carry a
+speculative config even with drafting off; ``plain`` measures engines without one, as OpenRLHF
+runs its own (in vLLM 0.29 a speculative config alone changes the engine, e.g. it switches
+async scheduling off). The simulator prices each configuration with the fit of the engines it
+ran on (``bench_rollout.engine_kind``).
 """
 
 from __future__ import annotations
@@ -95,6 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--spec-costs", type=Path, default=None,
                     help="an in-process fit (bench_engine.py --fit-costs) whose drafting costs to keep")
+    ap.add_argument("--engine-kind", choices=("speculative", "plain"), default="speculative",
+                    help="speculative: WAR's drafting engines, drafting off; plain: no speculative config, as "
+                         "OpenRLHF's own engines")
     ap.add_argument("--json", type=Path, required=True)
     args = ap.parse_args(argv)
     import ray
@@ -107,11 +116,14 @@ def main(argv=None) -> int:
 
     ray.init(num_cpus=4 * args.engines + (os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
-    cfg = EngineConfig(model=str(args.model), dtype="float32", max_model_len=args.max_len, enforce_eager=True)
+    plain = args.engine_kind == "plain"
+    cfg = EngineConfig(model=str(args.model), dtype="float32", max_model_len=args.max_len, enforce_eager=True,
+                       speculation="none" if plain else "auto")
     t0 = time.time()
     handles = create_war_engines(args.engines, cfg, placement_group=True)
     try:
-        ray.get([h.set_speculation.remote("off") for h in handles])
+        if not plain:
+            ray.get([h.set_speculation.remote("off") for h in handles])
         info = ray.get(handles[0].stats.remote())
         limits = {"kv_capacity_tokens": int(info["kv_capacity_tokens"]), "block_size": int(info["kv_block_size"]),
                   "max_num_seqs": int(info["max_num_seqs"]), "max_num_batched_tokens": int(info["max_num_batched_tokens"])}
@@ -122,7 +134,7 @@ def main(argv=None) -> int:
             ray.kill(h)
         ray.shutdown()
     contention = statistics.median(ratios.values())
-    model, report = fit_cost_model(runs, name=f"serving:{args.model.name}", **limits)
+    model, report = fit_cost_model(runs, name=f"serving{'-plain' if plain else ''}:{args.model.name}", **limits)
     extra = {"contention": round(contention, 4)}
     if args.spec_costs is not None:
         spec = get_preset(str(args.spec_costs))
@@ -136,6 +148,7 @@ def main(argv=None) -> int:
     print("fitted:", {k: f"{v:.3g}" for k, v in report["costs"].items()},
           f"contention {contention:.3f}, max relative error of the fit {report['max_relative_error']:.1%}")
     out = write_json(args.json, {"benchmark": "engine_step_costs_serving", "model": str(args.model),
+                                 "engine_kind": args.engine_kind,
                                  "max_model_len": args.max_len, "engines": args.engines, "repeats": args.repeats,
                                  "cost_model": model.to_dict(), "fit": report, "contention_by_shape": ratios,
                                  "runs_s": raw, "spec_costs_from": None if args.spec_costs is None else str(args.spec_costs),

@@ -8,7 +8,9 @@ simulator's prediction of the same run, in one file that war-predict reads.
 For each ``bench_rollout`` result under ``benchmarks/results/rollout/`` (or the files given), the
 cost model is the one fitted to the run's model (``--cost-models``: files written by
 ``tools/fit_serving_costs.py`` or ``bench_engine.py --fit-costs``, matched by the model directory's
-name). A trace run is re-simulated: every measured configuration with the run's trajectories,
+name; a fit of plain engines, ``fit_serving_costs.py --engine-kind plain``, prices the
+configurations that ran on plain engines, OpenRLHF's own: ``bench_rollout.engine_kind``). A trace
+run is re-simulated: every measured configuration with the run's trajectories,
 tool delays, KV and the configuration's measured speculation (tokens per verification step,
 acceptance, speculating fraction); the step time and the gain over ``openrlhf`` it predicts are
 set beside the measured ones. A task run replays episodes it recorded in the run and keeps no
@@ -79,12 +81,14 @@ def main(argv=None) -> int:
 
     from war_openrlhf.metrics import read_json, write_json
 
-    costs = {}
+    costs, plain_costs = {}, {}
     for path in args.cost_models:
-        model = read_json(path).get("model")
+        doc = read_json(path)
+        model = doc.get("model")
         if not model:
             raise SystemExit(f"{path}: not a fitted cost model (no 'model' field)")
-        costs[Path(model).name] = _rel(path)
+        kind = doc.get("engine_kind", "speculative")
+        (plain_costs if kind == "plain" else costs)[Path(model).name] = _rel(path)
     files = args.results or sorted(DEFAULT_RESULTS.glob("*.json*"))
     runs, skipped = [], []
     for path in tqdm(files, desc="re-simulating runs", unit="run"):
@@ -96,8 +100,10 @@ def main(argv=None) -> int:
         if cost is None:
             skipped.append({"file": _rel(path), "reason": f"no cost model fitted to its model {d.get('model')!r}"})
             continue
+        plain = plain_costs.get(Path(d.get("model", "")).name)
         if (d.get("workload") or "").startswith("traces:"):
-            sim, source = resimulate(d, str(ROOT / cost), args.traces_root), "re-simulated"
+            sim, source = resimulate(d, str(ROOT / cost), args.traces_root,
+                                     None if plain is None else str(ROOT / plain)), "re-simulated"
         elif d.get("cost_model") and Path(d["cost_model"]).name == Path(cost).name:
             sim, source = {c: {"step_s": v["simulated_step_s"], "x_openrlhf": v["simulated_x_openrlhf"]}
                            for c, v in d["configs"].items() if "simulated_step_s" in v}, "simulated in the run"
@@ -107,13 +113,15 @@ def main(argv=None) -> int:
             continue
         runs.append({"file": _rel(path), "regime": regime_name(d), "load": (d.get("regime") or {}).get("load"),
                      "pressure": d.get("pressure"), "commit": (d.get("git") or {}).get("commit"),
-                     "written_at": d.get("written_at"), "cost_model": cost, "prediction": source,
+                     "written_at": d.get("written_at"), "cost_model": cost,
+                     "plain_cost_model": plain if source == "re-simulated" else None, "prediction": source,
                      "rows": compare(d, sim), "not_modelled": unmodelled_configs(d)})
     rows = [r for run in runs for r in run["rows"]]
     gain = [abs(r["gain_error"]) for r in rows if r["gain_error"] is not None and r["config"] != "openrlhf"]
     step = [abs(r["step_error"]) for r in rows]
     out = write_json(args.json, {
-        "benchmark": "simulator_validation", "cost_models": sorted(costs.values()), "runs": runs, "skipped": skipped,
+        "benchmark": "simulator_validation", "cost_models": sorted(costs.values()),
+        "plain_cost_models": sorted(plain_costs.values()), "runs": runs, "skipped": skipped,
         "comparisons": len(gain), "worst_abs_error": max(gain) if gain else None,
         "worst_abs_step_error": max(step) if step else None,
         "target_abs_error": 0.15,
