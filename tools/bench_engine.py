@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """One engine's decode throughput vs batch size, with and without speculation.
 
-Configs, one real vLLM engine each (started one after the other, same prompts):
+Configs, one real vLLM engine each (all started first, in one process; each repeat of a batch
+size then runs every configuration in rotating order on the same prompts):
 
   off           vLLM without speculative decoding
   vllm_suffix   vLLM's per-engine suffix method (its cache warmed by the earlier round)
@@ -77,13 +78,15 @@ def prompt_sets(prompts, batches, repeats):
     return sets
 
 
-def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, engine_args):
+def start_config(name, model, prompts, earlier, k, engine_args):
+    """``(llm, start seconds)``: configuration ``name``'s engine, its drafter holding the earlier
+    round (vLLM's own cache or WAR's index), warmed up."""
     from vllm import LLM, SamplingParams
 
-    from war_openrlhf.engine.rpc import (RPC_APPLY_LOG, RPC_INDEX_STATS, RPC_INSTALL_INDEX,
+    from war_openrlhf.engine.rpc import (RPC_APPLY_LOG, RPC_INSTALL_INDEX,
                                          RPC_SEED_VLLM_SUFFIX_CACHE, war_engine_kwargs)
     from war_openrlhf.engine.wire import entries_to_wire
-    from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, SuffixIndexConfig
+    from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog
 
     kwargs = dict(engine_args)
     if name == "vllm_suffix":
@@ -94,7 +97,6 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
     t0 = time.perf_counter()
     llm = LLM(model=str(model), **kwargs)
     start_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     try:
         if name == "vllm_suffix":  # vLLM's own cache holds the earlier round, as if it had generated it
             import numpy as np
@@ -112,52 +114,74 @@ def run_config(name, model, prompts, earlier, batches, new_tokens, k, repeats, e
             for i, (p, e) in enumerate(zip(prompts, earlier)):
                 log.append(CompletedSequence.create(f"earlier{i}", "g", 0, p, e))
             llm.collective_rpc(RPC_APPLY_LOG, args=(entries_to_wire(log.read(0)),))
-        llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], sp, use_tqdm=False)  # warm-up
-        sets = prompt_sets(prompts, batches, repeats)
-        rows = []
-        for b in batches:
-            rates, wall = [], 0.0
-            before = _spec(llm)
-            sw0 = llm.collective_rpc(RPC_INDEX_STATS, args=(False,))[0]["switch"] if name.startswith("war") else None
-            for r in range(repeats):
+        llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], SamplingParams(temperature=0.0, max_tokens=4),
+                     use_tqdm=False)  # warm-up
+    except BaseException:
+        _shutdown(llm)
+        raise
+    return llm, start_s
+
+
+def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
+    """Every configuration's rows (one per batch size), the configurations of each repeat in
+    rotating order (a slow minute of the machine lands on all of them alike): tokens/s per run,
+    drafts and accepted tokens, and for WAR's engines the switch's share of drafting steps and
+    the drafter's time per step and share of the engine's time."""
+    from vllm import SamplingParams
+
+    from war_openrlhf.engine.rpc import RPC_INDEX_STATS
+
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    names = list(llms)
+    sets = prompt_sets(prompts, batches, repeats)
+    rows = {n: [] for n in names}
+    for bi, b in enumerate(batches):
+        rates = {n: [] for n in names}
+        wall = dict.fromkeys(names, 0.0)
+        before = {n: _spec(llms[n]) for n in names}
+        sw0 = {n: llms[n].collective_rpc(RPC_INDEX_STATS, args=(True,))[0]["switch"]  # resets the step trace
+               for n in names if n.startswith("war")}
+        for r in range(repeats):
+            shift = (bi + r) % len(names)
+            for name in names[shift:] + names[:shift]:
+                llm = llms[name]
                 batch = [{"prompt_token_ids": prompts[i]} for i in sets[(b, r)]]
                 llm.reset_prefix_cache()
                 t0 = time.perf_counter()
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
-                wall += dt
-                toks = sum(len(o.outputs[0].token_ids) for o in outs)
-                rates.append(toks / dt)
+                wall[name] += dt
+                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+        for name in names:
+            llm = llms[name]
             after = _spec(llm)
-            tps = spread(rates)
+            tps = spread(rates[name])
             row = {"config": name, "batch": b, "tokens_per_s": tps["median"], "tokens_per_s_min": tps["min"],
                    "tokens_per_s_max": tps["max"], "tokens_per_s_runs": tps["runs"],
-                   "draft_tokens": after["num_draft_tokens"] - before["num_draft_tokens"],
-                   "accepted_tokens": after["num_accepted_tokens"] - before["num_accepted_tokens"],
-                   "drafts": after["num_drafts"] - before["num_drafts"], "wall_s": wall}
+                   "draft_tokens": after["num_draft_tokens"] - before[name]["num_draft_tokens"],
+                   "accepted_tokens": after["num_accepted_tokens"] - before[name]["num_accepted_tokens"],
+                   "drafts": after["num_drafts"] - before[name]["num_drafts"], "wall_s": wall[name]}
             # tokens a request gains per verification (a step in which it carried a draft)
             row["tokens_per_verification_step"] = (1 + row["accepted_tokens"] / row["drafts"]
                                                    if row["drafts"] else None)
             if name.startswith("war"):
                 st = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0]
                 sw1 = st["switch"]
-                steps = sw1["steps"] - sw0["steps"]
-                spec = sw1["spec_step_fraction"] * sw1["steps"] - sw0["spec_step_fraction"] * sw0["steps"]
+                steps = sw1["steps"] - sw0[name]["steps"]
+                spec = sw1["spec_step_fraction"] * sw1["steps"] - sw0[name]["spec_step_fraction"] * sw0[name]["steps"]
                 row["spec_step_fraction"] = spec / steps if steps else 0.0
-                row["switch_gain"] = st["switch"]["expected_gain"]
-                row["switch_reason"] = st["switch"]["decision_reason"]
-                row["table"] = st["switch"]["table"]
+                row["switch_gain"] = sw1["expected_gain"]
+                row["switch_reason"] = sw1["decision_reason"]
+                row["table"] = sw1["table"]
                 row["drafter_step_us"] = st["step_trace"]["drafter_us"]
                 row["engine_steps"] = steps
                 # the drafter's share of the engine's time at this batch: its mean per step x steps / wall
-                row["drafter_share"] = (st["step_trace"]["drafter_us"]["mean"] * 1e-6 * steps / wall
-                                        if wall and steps else None)
-            rows.append(row)
-            print(f"  {name:12s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
+                row["drafter_share"] = (st["step_trace"]["drafter_us"]["mean"] * 1e-6 * steps / wall[name]
+                                        if wall[name] and steps else None)
+            rows[name].append(row)
+            print(f"  {name:18s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
                   flush=True)
-        return start_s, rows
-    finally:
-        _shutdown(llm)
+    return rows
 
 
 def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
@@ -381,13 +405,19 @@ def main(argv=None) -> int:
     finally:
         _shutdown(ref)
 
-    results, starts = {}, {}
-    for name in [c.strip() for c in args.configs.split(",") if c.strip()]:
-        if name not in CONFIGS:
-            print(f"error: --configs: unknown config '{name}' (known: {', '.join(CONFIGS)})", file=sys.stderr)
-            return 2
-        starts[name], results[name] = run_config(name, model, prompts, earlier, batches, args.new_tokens,
-                                                 args.k, args.repeats, engine_args)
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        print(f"error: --configs: unknown config '{unknown[0]}' (known: {', '.join(CONFIGS)})", file=sys.stderr)
+        return 2
+    llms, starts = {}, {}
+    try:  # every configuration's engine up at once (in-process engine cores), measured in rotation
+        for name in names:
+            llms[name], starts[name] = start_config(name, model, prompts, earlier, args.k, engine_args)
+        results = sweep(llms, prompts, batches, args.new_tokens, args.repeats)
+    finally:
+        for llm in llms.values():
+            _shutdown(llm)
 
     table = []
     for i, b in enumerate(batches):
