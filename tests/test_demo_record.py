@@ -52,12 +52,13 @@ def test_the_table_has_a_row_per_run_with_total_minutes():
     (dict(demo_s=700.0), "target <= 10: 2 of 3 runs: **missed**"),
     (dict(peak=12.5), "target <= 12: 2 of 3 runs: **missed**"),
     (dict(tpv=1.2), "target >= 1.5: 2 of 3 runs: **missed**"),
-    (dict(last2=0.45), "target >= +0.1: 2 of 3 runs: **missed**"),
+    (dict(last2=0.45), "target >= +0.1 on 1 seed(s): 2 of 3 runs: **missed**"),
     (dict(x=1.2), "target >= 1.3x in every run: 2 of 3 runs: **missed**"),
     (dict(x=None), "target >= 1.3x in every run: 2 of 3 runs: **missed**"),
 ])
 def test_the_reading_says_which_target_one_run_misses(bad, missed):
     good = demo_runs_reading(_record(), _record(), _record())
     assert "missed" not in good and good.count("3 of 3 runs: met") == 5
+    assert "training seeds 42, 42, 42; target >= +0.1 on 1 seed(s)" in good
     text = demo_runs_reading(_record(), _record(**bad), _record())
     assert missed in text and text.count("**missed**") == 1

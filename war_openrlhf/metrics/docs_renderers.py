@@ -1009,7 +1009,9 @@ def demo_runs_reading(*docs: dict) -> str:
         f"{verdict([x is not None and x >= DEMO_TPV for x in tpv])})." if any(x is not None for x in tpv) else
         "No run logged tokens per verification step.",
         f"Reward, last two steps over the first two: {', '.join('-' if g is None else f'{g:+.3f}' for g in gain)} "
-        f"(target >= +{DEMO_REWARD_GAIN:g}: {verdict([g is not None and g >= DEMO_REWARD_GAIN for g in gain])}).",
+        f"(training seeds {', '.join(str(d.get('seed')) for d in docs)}; target >= +{DEMO_REWARD_GAIN:g} on "
+        f"{len({d.get('seed') for d in docs})} seed(s): "
+        f"{verdict([g is not None and g >= DEMO_REWARD_GAIN for g in gain])}).",
         f"Side by side on equal work, `war` over `openrlhf`: {', '.join('-' if x is None else f'{x:.2f}x' for x in side)} "
         f"(target >= {DEMO_SIDE_X:g}x in every run: {verdict([x is not None and x >= DEMO_SIDE_X for x in side])}).",
     ]
@@ -1099,11 +1101,13 @@ def cost_models(*docs: dict) -> str:
         c = d["cost_model"]
         serving = d["benchmark"] == "engine_step_costs_serving"
         rows.append([f"`{d['model'].rstrip('/').rsplit('/', 1)[-1]}`",
-                     "engine actors (rollout)" if serving else "one engine in-process",
+                     ("plain engine actors (OpenRLHF's engines)" if d.get("engine_kind") == "plain"
+                      else "engine actors (rollout)") if serving else "one engine in-process",
                      f"{1e3 * c['step_overhead_s']:.2f}", f"{1e6 * c['decode_per_seq_s']:.0f}",
                      f"{1e9 * c['kv_read_per_token_s']:.0f}", f"{1e6 * c['prefill_per_token_s']:.1f}",
-                     f"{1e3 * c['spec_step_s']:.2f}", f"{1e6 * c['draft_token_s']:.0f}",
-                     f"{1e9 * c.get('draft_context_token_s', 0.0):.0f}",
+                     *(["-", "-", "-"] if d.get("engine_kind") == "plain" else  # plain engines never draft
+                       [f"{1e3 * c['spec_step_s']:.2f}", f"{1e6 * c['draft_token_s']:.0f}",
+                        f"{1e9 * c.get('draft_context_token_s', 0.0):.0f}"]),
                      f"{c.get('contention', 1.0):.2f}" if serving else "-",
                      f"{100 * d['fit']['max_relative_error']:.0f}%"])
     return md_table(["model", "measured through", "step ms", "per sequence us", "KV read ns/token",
