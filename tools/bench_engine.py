@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
-from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
+from war_openrlhf.metrics.vllm_metrics import SPEC_COUNTERS, spec_decode_counters  # noqa: E402
 
 CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_on_fixed_rule", "war_auto")
 # vLLM 0.29's SpeculativeConfig suffix defaults (suffix_decoding_max_tree_depth, _max_spec_factor,
@@ -138,7 +138,9 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
     for bi, b in enumerate(batches):
         rates = {n: [] for n in names}
         wall = dict.fromkeys(names, 0.0)
-        before = {n: _spec(llms[n]) for n in names}
+        # vLLM's spec-decode counters are process-wide (every in-process engine adds to the same
+        # Prometheus metrics): each run's delta is read around its own generate call
+        counted = {n: dict.fromkeys(SPEC_COUNTERS, 0.0) for n in names}
         sw0 = {n: llms[n].collective_rpc(RPC_INDEX_STATS, args=(True,))[0]["switch"]  # resets the step trace
                for n in names if n.startswith("war")}
         for r in range(repeats):
@@ -147,20 +149,23 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
                 llm = llms[name]
                 batch = [{"prompt_token_ids": prompts[i]} for i in sets[(b, r)]]
                 llm.reset_prefix_cache()
+                c0 = _spec(llm)
                 t0 = time.perf_counter()
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
+                c1 = _spec(llm)
+                for key in SPEC_COUNTERS:
+                    counted[name][key] += c1[key] - c0[key]
                 wall[name] += dt
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
         for name in names:
             llm = llms[name]
-            after = _spec(llm)
             tps = spread(rates[name])
+            c = counted[name]
             row = {"config": name, "batch": b, "tokens_per_s": tps["median"], "tokens_per_s_min": tps["min"],
                    "tokens_per_s_max": tps["max"], "tokens_per_s_runs": tps["runs"],
-                   "draft_tokens": after["num_draft_tokens"] - before[name]["num_draft_tokens"],
-                   "accepted_tokens": after["num_accepted_tokens"] - before[name]["num_accepted_tokens"],
-                   "drafts": after["num_drafts"] - before[name]["num_drafts"], "wall_s": wall[name]}
+                   "draft_tokens": c["num_draft_tokens"], "accepted_tokens": c["num_accepted_tokens"],
+                   "drafts": c["num_drafts"], "wall_s": wall[name]}
             # tokens a request gains per verification (a step in which it carried a draft)
             row["tokens_per_verification_step"] = (1 + row["accepted_tokens"] / row["drafts"]
                                                    if row["drafts"] else None)
