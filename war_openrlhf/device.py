@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["CLUSTER_DEVICE_ENV", "cluster_device", "cuda_available", "detect_cluster_device",
-           "kv_block_size", "kv_blocks_for"]
+           "kv_block_size", "kv_blocks_for", "kv_usable_tokens"]
 
 #: Set by war-train's driver in every Ray worker of the run: ``cuda`` or ``cpu``.
 CLUSTER_DEVICE_ENV = "WAR_CLUSTER_DEVICE"
@@ -89,6 +89,14 @@ def kv_block_size(cuda: bool | None = None) -> int:
 
 
 def kv_blocks_for(tokens: int, cuda: bool | None = None) -> int:
-    """Blocks holding at least ``tokens`` tokens (vLLM's ``num_gpu_blocks_override``)."""
+    """Blocks (vLLM's ``num_gpu_blocks_override``) of which at least ``tokens`` tokens are usable:
+    vLLM 0.29's block pool keeps one block as its null block (``v1/core/block_pool.py``
+    ``self.null_block``), so an engine given exactly one max-length sequence of blocks refuses
+    to start."""
     size = kv_block_size(cuda)
-    return -(-int(tokens) // size)
+    return -(-int(tokens) // size) + 1
+
+
+def kv_usable_tokens(num_blocks: int, block_size: int) -> int:
+    """The KV tokens an engine of ``num_blocks`` blocks can hold (all but vLLM's null block)."""
+    return max(0, int(num_blocks) - 1) * int(block_size)

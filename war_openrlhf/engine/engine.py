@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..device import cluster_device
+from ..device import cluster_device, kv_usable_tokens
 from ..speculation.log import LogEntry
 from ..versions import check_openrlhf_version
 from .config import EngineConfig, check_startup
@@ -544,7 +544,7 @@ class WarEngine:
         if self.llm is not None:
             cache = self.llm.vllm_config.cache_config
             if cache.num_gpu_blocks:
-                out["kv_capacity_tokens"] = int(cache.num_gpu_blocks) * int(cache.block_size)
+                out["kv_capacity_tokens"] = kv_usable_tokens(cache.num_gpu_blocks, cache.block_size)
             out["kv_block_size"] = int(cache.block_size)
             sched = self.llm.vllm_config.scheduler_config  # what a fitted cost model's engine limits are
             out["max_num_seqs"] = int(sched.max_num_seqs)
