@@ -1065,7 +1065,10 @@ def simulator_validation_reading(d: dict) -> str:
     target = d["target_abs_error"]
     worst = d["worst_abs_error"]
     parts = [f"Over {d['comparisons']} comparisons of the gain over `openrlhf` in {len(d['runs'])} runs "
-             f"(cost models {', '.join(f'`{c}`' for c in d['cost_models'])}), the worst |simulated / measured - 1| "
+             f"(cost models {', '.join(f'`{c}`' for c in d['cost_models'])}"
+             + (f"; OpenRLHF's own engines priced by {', '.join(f'`{c}`' for c in d['plain_cost_models'])}"
+                if d.get("plain_cost_models") else "")
+             + "), the worst |simulated / measured - 1| "
              f"is {worst:.0%} for the gain and {d['worst_abs_step_error']:.0%} for the step time: the target "
              f"(<= {target:.0%} for every configuration) is **{'met' if worst <= target else 'missed'}**."]
     per_run = []
