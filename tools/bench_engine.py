@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
-from war_openrlhf.metrics.vllm_metrics import SPEC_COUNTERS, spec_decode_counters  # noqa: E402
+from war_openrlhf.metrics.vllm_metrics import SPEC_COUNTERS, engine_spec_decode_counters  # noqa: E402
 
 CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_on_fixed_rule", "war_auto")
 # vLLM 0.29's SpeculativeConfig suffix defaults (suffix_decoding_max_tree_depth, _max_spec_factor,
@@ -62,9 +62,6 @@ def _perturb(tokens, every, vocab):
     for j in range(every // 2, len(bad), every):
         bad[j] = (bad[j] + 1) % vocab
     return bad
-
-
-_spec = spec_decode_counters
 
 
 def prompt_sets(prompts, batches, repeats):
@@ -138,8 +135,8 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
     for bi, b in enumerate(batches):
         rates = {n: [] for n in names}
         wall = dict.fromkeys(names, 0.0)
-        # vLLM's spec-decode counters are process-wide (every in-process engine adds to the same
-        # Prometheus metrics): each run's delta is read around its own generate call
+        # each engine's own spec-decode counters (the process-wide registry holds only the last
+        # engine started), read around each of its runs
         counted = {n: dict.fromkeys(SPEC_COUNTERS, 0.0) for n in names}
         sw0 = {n: llms[n].collective_rpc(RPC_INDEX_STATS, args=(True,))[0]["switch"]  # resets the step trace
                for n in names if n.startswith("war")}
@@ -149,11 +146,11 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
                 llm = llms[name]
                 batch = [{"prompt_token_ids": prompts[i]} for i in sets[(b, r)]]
                 llm.reset_prefix_cache()
-                c0 = _spec(llm)
+                c0 = engine_spec_decode_counters(llm)
                 t0 = time.perf_counter()
                 outs = llm.generate(batch, sp, use_tqdm=False)
                 dt = time.perf_counter() - t0
-                c1 = _spec(llm)
+                c1 = engine_spec_decode_counters(llm)
                 for key in SPEC_COUNTERS:
                     counted[name][key] += c1[key] - c0[key]
                 wall[name] += dt

@@ -15,3 +15,21 @@ def spec_decode_counters(llm: Any) -> dict[str, float]:
         if name in out:
             out[name] += metric.value
     return out
+
+
+def engine_spec_decode_counters(llm: Any) -> dict[str, float]:
+    """The same totals for this engine alone. vLLM 0.29 registers one engine's Prometheus
+    metrics at a time (a new ``PrometheusStatLogger`` unregisters the previous one's), so with
+    several engines in one process :func:`spec_decode_counters` sees only the last one started;
+    each engine's logger still counts its own, read here. Falls back to the registry where the
+    engine keeps no such logger."""
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    for logger in getattr(manager, "stat_loggers", None) or []:
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is None:
+            continue
+        if not getattr(prom, "spec_decoding_enabled", False):
+            return dict.fromkeys(SPEC_COUNTERS, 0.0)
+        return {name: float(sum(child._value.get() for child in getattr(prom, f"counter_spec_decode_{name}").values()))
+                for name in SPEC_COUNTERS}
+    return spec_decode_counters(llm)
