@@ -32,9 +32,9 @@ def test_rows_come_in_batch_order_with_the_drafter_columns_only_for_war():
 
 def test_the_reading_checks_every_batch_and_the_share_at_32():
     ok = engine_drafter_reading(_doc())
-    assert "met at 2 of 2 batches" in ok and "2.0% of the engine's time (target <= 3%: met)" in ok
+    assert "every batch: met; at least vLLM's at 2 of 2 batches" in ok and "2.0% of the engine's time (target <= 3%: met)" in ok
     worse = engine_drafter_reading(_doc(war_tpv=(2.5, 2.2), share32=0.04))
-    assert "missed at 1 of 2 batches" in worse and "4.0% of the engine's time (target <= 3%: missed)" in worse
+    assert "every batch: missed; at least vLLM's at 1 of 2 batches" in worse and "4.0% of the engine's time (target <= 3%: missed)" in worse
 
 
 def _sweep(auto_at_16=95.0):

@@ -445,7 +445,8 @@ def engine_drafter_reading(d: dict) -> str:
             ok = [w is not None and v is not None and w >= v for _, w, v in pairs]
             parts.append(f"`{name}` against `vllm_suffix`, tokens per verification step by batch: "
                          + ", ".join(f"{b}: {num(w, '.2f')} vs {num(v, '.2f')}" for b, w, v in pairs)
-                         + f" (target >= vLLM's: {'met' if all(ok) else 'missed'} at {sum(ok)} of {len(ok)} batches).")
+                         + f" (target >= vLLM's at every batch: {'met' if all(ok) else 'missed'}; at least vLLM's "
+                         f"at {sum(ok)} of {len(ok)} batches).")
     for name in (n for n in res if n.startswith("war_on")):
         at = [r for r in res[name] if r["batch"] == DRAFTER_TARGET_BATCH and r.get("drafter_share") is not None]
         if at:
