@@ -495,10 +495,10 @@ def test_gpu_baseline_engines_get_the_war_engines_kv_through_openrlhfs_own_call(
         assert kw["dtype"] == "bfloat16" and kw["trust_remote_code"] is True  # OpenRLHF's own arguments
         assert kw["gpu_memory_utilization"] == EngineConfig.gpu_memory_utilization == vllm_engine_kwargs(
             EngineConfig(model="/m"), cuda=True)["gpu_memory_utilization"]
-        assert kw["num_gpu_blocks_override"] == 250  # 4000 tokens in CUDA blocks of 16
+        assert kw["num_gpu_blocks_override"] == 251  # 4000 tokens in CUDA blocks of 16, and vLLM's null block
         assert kw["speculative_config"] == {"method": "suffix", "num_speculative_tokens": 8}
     assert vllm_engine_kwargs(EngineConfig(model="/m", kv_capacity_tokens=4000, max_model_len=2048), cuda=True)[
-        "num_gpu_blocks_override"] == 250  # the WAR engines' size for the same regime
+        "num_gpu_blocks_override"] == 251  # the WAR engines' size for the same regime
     started.clear()
     _start_gpu_actors(1, "/m", seed=0, enable_prefix_caching=True, enforce_eager=False, max_model_len=2048,
                       gpu_memory_utilization=0.5, logprobs_mode=None, agent_func_path=None, extra={})
