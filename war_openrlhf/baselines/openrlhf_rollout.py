@@ -77,8 +77,8 @@ def start_openrlhf_engines(
     through ``RolloutRayActor``'s keyword arguments (on CUDA added to the arguments
     ``create_vllm_engines`` builds, which has no parameter for them: :func:`_start_gpu_actors`):
 
-    - ``kv_capacity_tokens``: exact KV-cache size (``num_gpu_blocks_override``, whole blocks),
-      the same size the WAR engines get in a KV-pressure regime;
+    - ``kv_capacity_tokens``: exact usable KV-cache size (``num_gpu_blocks_override``: whole
+      blocks and vLLM's null block), the same size the WAR engines get in a KV-pressure regime;
     - ``speculative_config``: vLLM's own speculation, e.g. ``{"method": "suffix",
       "num_speculative_tokens": 8}`` (per-engine suffix trees: what an OpenRLHF user gets by
       adding that one engine argument).

@@ -42,7 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.85
     kv_cache_space_gib: float = 1.0  # CPU only (VLLM_CPU_KVCACHE_SPACE)
-    kv_capacity_tokens: int | None = None  # exact KV size (vLLM's num_gpu_blocks_override); None: by memory
+    kv_capacity_tokens: int | None = None  # exact usable KV (num_gpu_blocks_override + null block); None: memory
     cpu_core: int | None = None  # CPU only: the core the engine's threads are bound to
     seed: int = 0
     num_speculative_tokens: int = 16
