@@ -641,3 +641,38 @@ def test_chunk_entries_cross_the_wire_unchanged():
     assert entry.record is None and entry.policy_version is None
     with pytest.raises(ValueError, match="offset"):
         _chunk("k", "t", "g", -1, [1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), steps=st.lists(st.integers(1, 5), min_size=1, max_size=30))
+def test_the_engine_path_of_extend_leaves_the_state_of_the_checked_path(seed, steps):
+    """vLLM hands each request's sampled ids to the drafter as a list every step; the engine path
+    converts them without the per-token checks and must leave the same trees (same drafts)."""
+    rng = np.random.default_rng(seed)
+    checked, engine = GlobalSuffixIndex(), GlobalSuffixIndex()
+    prompt = rng.integers(0, 50, size=20).tolist()
+    for index in (checked, engine):
+        index.start_request("r", prompt, group_id="g", trajectory_id="t")
+        index.start_request("sib", prompt, group_id="g", trajectory_id="t2")
+    ctx = list(prompt)
+    for n in steps:
+        new = rng.integers(0, 50, size=n).tolist()
+        ctx += new
+        checked.extend_request("r", new)
+        engine.extend_request_engine("r", new)
+        checked.extend_request("sib", new[::-1])
+        engine.extend_request_engine("sib", new[::-1])
+        a = checked.speculate_engine("r", np.asarray(ctx, dtype=np.int32), 4)
+        b = engine.speculate_engine("r", np.asarray(ctx, dtype=np.int32), 4)
+        assert (a.token_ids, a.source, a.match_len) == (b.token_ids, b.source, b.match_len)
+
+
+def test_the_engine_path_names_a_negative_id_as_the_checked_path_does():
+    index = GlobalSuffixIndex()
+    index.start_request("r", [1, 2, 3])
+    with pytest.raises(ValueError, match=r"token_ids\[1\]: token ids must be >= 0"):
+        index.extend_request_engine("r", [4, -1])
+    with pytest.raises(ValueError, match="unknown request"):
+        index.extend_request_engine("nope", [4])
+    with pytest.raises(ValueError, match="unknown request"):
+        index.extend_request("nope", [])

@@ -143,7 +143,10 @@ class WarSuffixCache:
             while n < limit and int(token_ids[n]) == draft[n]:
                 n += 1
             self.counters["accepted_tokens"][source] += n
-        self.index.extend_request(req_id, token_ids)
+        if type(token_ids) is list:  # vLLM's proposer hands each request's sampled ids as a list
+            self.index.extend_request_engine(req_id, token_ids)
+        else:
+            self.index.extend_request(req_id, token_ids)
 
     def speculate(
         self,

@@ -145,6 +145,16 @@ class GlobalSuffixIndex:
         """Append tokens the request just generated (to its own tree and the live tree)."""
         self._local.extend(request_id, token_ids)
 
+    def extend_request_engine(self, request_id: str, token_ids: list[int]) -> None:
+        """:meth:`extend_request` for the engine's per-step hot path: ``token_ids`` is the list
+        of ids the engine just sampled for the request (Python ints); a negative id (a padded
+        slot) falls back to the checked path, which names it. The checked path's per-token
+        validation took a fifth of the drafter's time at batch 32."""
+        if token_ids and min(token_ids) >= 0:
+            self._local.extend_tokens(request_id, np.array(token_ids, dtype=np.int32))
+        else:
+            self._local.extend(request_id, token_ids)
+
     def stop_request(self, request_id: str) -> None:
         """The request finished (its record arrives through the log)."""
         self._local.stop(request_id)
