@@ -149,7 +149,7 @@ class GlobalSuffixIndex:
         """:meth:`extend_request` for the engine's per-step hot path: ``token_ids`` is the list
         of ids the engine just sampled for the request (Python ints); a negative id (a padded
         slot) falls back to the checked path, which names it. The checked path's per-token
-        validation took a fifth of the drafter's time at batch 32."""
+        validation was a large share of the drafter's time at batch 32 (cProfile of one engine)."""
         if token_ids and min(token_ids) >= 0:
             self._local.extend_tokens(request_id, np.array(token_ids, dtype=np.int32))
         else:
