@@ -6,7 +6,9 @@ peak of any one process's RSS says little and a sum of RSS counts shared pages m
 What a user sizes a machine by is the machine's own figure: memory in use
 (``MemTotal - MemAvailable`` of ``/proc/meminfo``, the kernel's estimate of what could not be
 handed to a new program without swapping). :class:`MemoryWatch` samples it on a thread and
-keeps the baseline (before the job) and the peak.
+keeps the baseline (before the job) and the peak. The kernel folds each CPU's page counts into
+these figures about once a second (``vm.stat_interval``): a spike shorter than that can be
+missed, which a job of minutes does not notice.
 """
 
 from __future__ import annotations
