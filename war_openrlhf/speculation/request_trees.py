@@ -96,14 +96,16 @@ class RequestTrees:
         self.requests[request_id] = RequestState(key, group, live_seq)
 
     def extend(self, request_id: str, token_ids: Sequence[int] | np.ndarray) -> None:
-        self.get(request_id)  # an unknown request is an error even with nothing to add
+        state = self.get(request_id)  # an unknown request is an error even with nothing to add
         tokens = as_token_array(token_ids, "token_ids", allow_empty=True)
         if tokens.size:
-            self.extend_tokens(request_id, tokens)
+            self._append(state, tokens)
 
     def extend_tokens(self, request_id: str, tokens: np.ndarray) -> None:
         """:meth:`extend` of a non-empty, checked contiguous int32 array."""
-        state = self.get(request_id)
+        self._append(self.get(request_id), tokens)
+
+    def _append(self, state: RequestState, tokens: np.ndarray) -> None:
         self.trajectories[state.trajectory_key].append(tokens)
         if state.live_seq is not None:
             self.live.extend_ndarray(state.live_seq, tokens)
