@@ -60,7 +60,8 @@ from war_openrlhf.engine.wire import entries_from_wire, entries_to_wire  # noqa:
 from war_openrlhf.engine.worker_extension import WarWorkerExtension  # noqa: E402
 from war_openrlhf.fixtures.tiny_model import build_tiny_model  # noqa: E402
 from war_openrlhf.metrics.vllm_metrics import spec_decode_counters  # noqa: E402
-from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, LogEntry  # noqa: E402
+from war_openrlhf.speculation import (  # noqa: E402
+    CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, InflightChunk, LogEntry)
 
 MODEL_DIR = Path(os.environ.get("WAR_TINY_MODEL_DIR", ROOT / ".cache" / "war_tiny_llama"))
 NEW_TOKENS = 64
@@ -336,12 +337,12 @@ def test_in_process_engine_collective_rpc(model_path, prompts, reference):
 class _FakeBatch:
     """The slice of vLLM's InputBatch that SuffixDecodingProposer.propose reads."""
 
-    def __init__(self, max_len: int = 256) -> None:
+    def __init__(self, max_len: int = 256, rows: int = 4) -> None:
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
-        self.token_ids_cpu = np.zeros((4, max_len), dtype=np.int32)
-        self.num_tokens_no_spec = np.zeros(4, dtype=np.int32)
-        self.num_prompt_tokens = np.zeros(4, dtype=np.int32)
+        self.token_ids_cpu = np.zeros((rows, max_len), dtype=np.int32)
+        self.num_tokens_no_spec = np.zeros(rows, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(rows, dtype=np.int32)
 
     def add(self, req_id: str, prompt: list[int]) -> None:
         i = len(self.req_ids)
@@ -435,6 +436,102 @@ def test_adapter_under_vllms_proposer():
         cache.stop_request("r0")
     cache.stop_request("r0-turn2")
     assert index.stats()["active_requests"] == 0
+
+
+def _fused_scenario(seed: int):
+    """Two replicas with the same records, one driven by vLLM's own ``propose`` loop, one by
+    :meth:`WarSuffixCache.propose`, through the same random steps: requests joining with
+    prompts that repeat records (so drafts happen), sampled ids that accept a random part of
+    the last draft, requests leaving, a second turn of a trajectory, in-flight chunks of
+    siblings, drafting switched off and on, requests at the length limit."""
+    rng = np.random.default_rng(seed)
+    max_len = 96
+    cfg = dict(max_spec_factor=float(rng.choice([1.0, 2.0])), group_trees=bool(rng.integers(2)),
+               live_responses=bool(rng.integers(2)), min_token_prob=float(rng.choice([0.0, 0.1, 0.3])))
+    log = CompletedSequenceLog()
+    vocab = int(rng.integers(6, 30))
+    for r in range(int(rng.integers(0, 8))):
+        log.append(CompletedSequence.create(f"old{r}", f"g{r % 3}", 0, rng.integers(0, vocab, 8).tolist(),
+                                            rng.integers(0, vocab, int(rng.integers(4, 40))).tolist()))
+    for r in range(int(rng.integers(0, 4))):
+        log.append_chunk(InflightChunk.create(f"e1-{r}", f"t-other{r}", f"g{r % 3}", 0,
+                                              rng.integers(0, vocab, 12).tolist()))
+    sides = []
+    for _ in range(2):
+        index = GlobalSuffixIndex(**cfg)
+        index.apply(log.read(0))
+        sides.append(index)
+    meta: dict[str, tuple] = {}
+    batches = [_FakeBatch(max_len, rows=8) for _ in range(2)]
+    caches = [WarSuffixCache(ix, request_meta=lambda rid: meta.get(rid, (None, None)),
+                             in_batch=lambda rid, b=b: rid in b.req_id_to_index)
+              for ix, b in zip(sides, batches)]
+    prop = _proposer(caches[0], k=int(rng.integers(1, 9)), depth=int(rng.choice([8, 24])))
+    prop.max_model_len = max_len
+    truth = {}  # req_id -> the tokens the "model" samples next (a record's continuation or noise)
+    n_req = 0
+    for step in range(60):
+        b0 = batches[0]
+        if len(b0.req_ids) < 8 and rng.random() < 0.4:  # a request joins
+            rid = f"r{n_req}"
+            n_req += 1
+            meta[rid] = (f"t{n_req % 5}" if rng.random() < 0.5 else None,
+                         f"g{int(rng.integers(3))}" if rng.random() < 0.7 else None)
+            prompt = rng.integers(0, vocab, int(rng.integers(2, 12))).tolist()
+            for b in batches:
+                b.add(rid, prompt)
+            truth[rid] = rng.integers(0, vocab, max_len).tolist()
+        if b0.req_ids and rng.random() < 0.15:  # a request leaves
+            rid = b0.req_ids[int(rng.integers(len(b0.req_ids)))]
+            for b in batches:
+                b.remove(rid)
+        if rng.random() < 0.1:
+            for c in caches:
+                c.enabled = not c.enabled
+        sampled = []
+        for rid in b0.req_ids:
+            i = b0.req_id_to_index[rid]
+            n = int(b0.num_tokens_no_spec[i])
+            if rng.random() < 0.1 or n >= max_len:
+                sampled.append([])  # a partial prefill, or nothing left to sample
+                continue
+            k = min(int(rng.integers(1, 5)), max_len - n)
+            ids = truth[rid][n:n + k]
+            sampled.append(ids)
+            for b in batches:
+                b.emit(rid, ids)
+        want = prop.propose(prop.num_speculative_tokens, batches[0], [list(x) for x in sampled])
+        got = caches[1].propose(batches[1], [list(x) for x in sampled], prop.num_speculative_tokens,
+                                max_len, prop.max_tree_depth)
+        yield step, want, got
+        # the "model" accepts a random prefix of each draft: what it samples next follows it
+        for rid, draft in zip(b0.req_ids, want):
+            if draft:
+                i = b0.req_id_to_index[rid]
+                n = int(b0.num_tokens_no_spec[i])
+                keep = int(rng.integers(0, len(draft) + 1))
+                truth[rid][n:n + keep] = draft[:keep][: max_len - n]
+    yield "end", caches[0], caches[1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fused_propose_drafts_exactly_as_vllms_loop(seed):
+    """The engine's one-pass drafter (:meth:`WarSuffixCache.propose`) against vLLM's own
+    ``SuffixDecodingProposer.propose`` loop over the same cache surface: the same drafts at
+    every step, the same requests active, the same counters and index state at the end."""
+    drafted = 0
+    for step, want, got in _fused_scenario(seed):
+        if step == "end":
+            a, b = want, got
+            assert set(a.active_requests) == set(b.active_requests)
+            sa, sb = a.stats(), b.stats()
+            for st in (sa, sb):
+                st["index"].pop("apply_seconds")  # a clock reading
+            assert sa == sb
+            break
+        assert got == want, f"step {step}"
+        drafted += sum(1 for d in want if d)
+    assert drafted > 0  # the scenario made drafts to compare
 
 
 def _log() -> CompletedSequenceLog:

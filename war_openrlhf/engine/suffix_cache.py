@@ -177,6 +177,96 @@ class WarSuffixCache:
         self.step_score += draft.score
         return draft
 
+    def propose(self, input_batch: Any, sampled_token_ids: list[list[int]], num_speculative_tokens: int,
+                max_model_len: int, pattern_len: int) -> list[list[int]]:
+        """vLLM's ``SuffixDecodingProposer.propose`` over this cache, in one pass.
+
+        The same drafts, request starts, appends, stops and counters as vLLM's loop
+        (``vllm/v1/spec_decode/suffix_decoding.py``, ``propose``: skip partial prefills and
+        requests at ``max_model_len``, start a request from its prompt, append its sampled ids,
+        draft from the tail of its tokens, stop the requests that left the batch) calling
+        :meth:`start_request`, :meth:`add_active_response`, :meth:`speculate` and
+        :meth:`stop_request`; the per-request call layers (proposer, cache, index) cost more
+        than the C++ trees at batch 32, so this loop looks each request up once and builds no
+        :class:`Draft`. ``pattern_len``: the proposer's ``max_tree_depth`` (the tail of a
+        request's tokens it hands to ``speculate``).
+        """
+        if not self.enabled:
+            c = self.counters
+            drafts = []
+            for i, sampled in enumerate(sampled_token_ids):
+                if sampled and input_batch.num_tokens_no_spec[i] < max_model_len:
+                    rid = input_batch.req_ids[i]
+                    if rid not in self._active:
+                        j = input_batch.req_id_to_index[rid]
+                        self.start_request(rid, input_batch.token_ids_cpu[j, : input_batch.num_prompt_tokens[j]])
+                    self.add_active_response(rid, sampled)
+                    c["speculate_calls"] += 1
+                    c["disabled_calls"] += 1
+                drafts.append([])
+            self._stop_absent(input_batch)
+            return drafts
+        index, c, pending = self.index, self.counters, self._pending
+        drafted, drafted_tokens, accepted = c["drafts"], c["draft_tokens"], c["accepted_tokens"]
+        active, min_prob = self._active, self.min_token_prob
+        req_ids, num_tokens_no_spec, token_ids_cpu = input_batch.req_ids, input_batch.num_tokens_no_spec, \
+            input_batch.token_ids_cpu
+        if token_ids_cpu.dtype != np.int32:  # vLLM's buffer is int32; the trees take nothing else
+            token_ids_cpu = token_ids_cpu.astype(np.int32)
+        drafts: list[list[int]] = []
+        calls = empty = 0
+        score_sum = 0.0
+        for i, sampled in enumerate(sampled_token_ids):
+            if not sampled:
+                drafts.append([])  # a partial prefill
+                continue
+            num_tokens = int(num_tokens_no_spec[i])
+            if num_tokens >= max_model_len:
+                drafts.append([])
+                continue
+            rid = req_ids[i]
+            if rid not in active:
+                j = input_batch.req_id_to_index[rid]
+                self.start_request(rid, token_ids_cpu[j, : input_batch.num_prompt_tokens[j]])
+            state = index.engine_state(rid)
+            last = pending.pop(rid, None)
+            if last is not None:
+                source, draft = last
+                limit = min(len(draft), len(sampled) - 1)
+                n = 0
+                while n < limit and sampled[n] == draft[n]:
+                    n += 1
+                accepted[source] += n
+            index.append_sampled(state, sampled)
+            calls += 1
+            max_tokens = min(num_speculative_tokens, max_model_len - num_tokens - 1)
+            if max_tokens <= 0:
+                empty += 1
+                drafts.append([])
+                continue
+            best, _, source = index.best_draft(state, token_ids_cpu[i, max(0, num_tokens - pattern_len):num_tokens],
+                                               max_tokens, min_prob)
+            tokens = best.token_ids
+            if not tokens:
+                empty += 1
+                drafts.append([])
+                continue
+            drafted[source] += 1
+            drafted_tokens[source] += len(tokens)
+            pending[rid] = (source, tuple(tokens))  # vLLM may trim the list it is handed
+            score_sum += best.score
+            drafts.append(tokens)
+        c["speculate_calls"] += calls
+        c["empty_drafts"] += empty
+        self.step_score += score_sum
+        self._stop_absent(input_batch)
+        return drafts
+
+    def _stop_absent(self, input_batch: Any) -> None:
+        """Stop the requests that left the batch (vLLM's proposer's expression, so in its order)."""
+        for rid in self.active_requests - input_batch.req_id_to_index.keys():
+            self.stop_request(rid)
+
     def stop_request(self, req_id: str) -> None:
         if req_id not in self._active:
             raise ValueError(f"Request '{req_id}' is not active")

@@ -20,9 +20,12 @@ and :class:`WarWorkerExtension` (vLLM's ``worker_extension_cls``) swaps it in:
 
     worker.model_runner.drafter.suffix_cache = WarSuffixCache(GlobalSuffixIndex(cfg))
 
-The proposer keeps doing what it always did (skip partial prefills, skip requests
+The proposer's loop stays what it always was (skip partial prefills, skip requests
 at ``max_model_len``, feed the prompt once, feed every step's accepted tokens,
-stop requests that left the batch); only the data structure behind it changes.
+stop requests that left the batch); only the data structure behind it changes. While
+the WAR replica is installed, the wrapped ``propose`` runs that loop as
+:meth:`WarSuffixCache.propose`, one pass over the batch with each request looked up
+once (a property test holds it to vLLM's loop, draft for draft).
 Verification is vLLM's own rejection sampler, so the hook cannot change outputs,
 only how many tokens each forward pass emits (the tests check greedy outputs
 token by token against an engine without speculation).
@@ -267,7 +270,12 @@ class WarWorkerExtension:
             state["active"] = True
             if cache is not None:
                 cache.step_score = 0.0
-            drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+            if cache is not None and drafter.suffix_cache is cache:
+                # vLLM's loop, fused over the replica (the same drafts; see WarSuffixCache.propose)
+                drafts = cache.propose(input_batch, sampled_token_ids, num_speculative_tokens,
+                                       drafter.max_model_len, drafter.max_tree_depth)
+            else:
+                drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
             state["drafted"] = sum(len(d) for d in drafts)
             state["estimated"] = cache.step_score if cache is not None else 0.0  # what the index expects
             state["start"] = now

@@ -201,6 +201,29 @@ class GlobalSuffixIndex:
                    min_token_prob: float | None = None) -> Draft:
         if max_tokens <= 0:
             return Draft()
+        best, score, source = self.best_draft(state, ctx, max_tokens, min_token_prob)
+        token_ids = best.token_ids
+        if not token_ids:
+            return Draft(match_len=best.match_len)
+        return Draft(token_ids, best.probs, float(best.score), int(best.match_len), source)
+
+    # The engine's batched drafter (:meth:`WarSuffixCache.propose`) works on request states:
+    # one lookup per request and step, no :class:`Draft` built per call.
+    def engine_state(self, request_id: str) -> RequestState | None:
+        """The live request's state (None: not started)."""
+        return self._local.requests.get(request_id)
+
+    def append_sampled(self, state: RequestState, token_ids: list[int]) -> None:
+        """Append the ids the engine just sampled for a live request (a non-empty list of ints);
+        a negative id raises, naming the field."""
+        if min(token_ids) < 0:
+            as_token_array(token_ids, "token_ids")  # raises with the offending value
+        self._local.append_to(state, np.array(token_ids, dtype=np.int32))
+
+    def best_draft(self, state: RequestState, ctx: np.ndarray, max_tokens: int,
+                   min_token_prob: float | None = None) -> tuple[Any, float, str]:
+        """``(C++ draft, weighted score, source)``: the best draft of every source for the
+        request's context (``ctx``: 1-D contiguous int32, ``max_tokens`` > 0)."""
         cfg = self.config
         min_prob = cfg.min_token_prob if min_token_prob is None else min_token_prob
         window = cfg.match_window or max(2, self._depth - max_tokens + 1)
@@ -214,19 +237,22 @@ class GlobalSuffixIndex:
         best = local.trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
         best_score, source = best.score, "request"
         full = float(max_tokens)  # no draft scores more than max_tokens
-        if cfg.group_trees and state.group_id is not None and best_score < full * cfg.group_bias:
-            group = replica.groups.get(state.group_id)
-            if group is not None:
-                d = group.tree.speculate_ndarray(*args)
-                if d.score * cfg.group_bias > best_score:
-                    best, best_score, source = d, d.score * cfg.group_bias, "group"
-        # The group's turns still generating on any engine (chunks on the log), weighed as the group.
-        if state.group_id is not None and replica.inflight and best_score < full * cfg.group_bias:
-            group = replica.inflight.get(state.group_id)
-            if group is not None:
-                d = group.tree.speculate_ndarray(*args)
-                if d.score * cfg.group_bias > best_score:
-                    best, best_score, source = d, d.score * cfg.group_bias, "inflight"
+        group_id = state.group_id
+        if group_id is not None and best_score < full * cfg.group_bias:
+            bias = cfg.group_bias
+            if cfg.group_trees:
+                group = replica.groups.get(group_id)
+                if group is not None:
+                    d = group.tree.speculate_ndarray(*args)
+                    if d.score * bias > best_score:
+                        best, best_score, source = d, d.score * bias, "group"
+            # The group's turns still generating on any engine (chunks on the log), weighed as the group.
+            if replica.inflight and best_score < full * bias:
+                group = replica.inflight.get(group_id)
+                if group is not None:
+                    d = group.tree.speculate_ndarray(*args)
+                    if d.score * bias > best_score:
+                        best, best_score, source = d, d.score * bias, "inflight"
         # The live tree holds this engine's in-flight responses; when the only one is this
         # request's own (already in its trajectory tree) it can add nothing: skip the lookup.
         if state.live_seq is not None and best_score < full and local.live.num_seqs() > (state.live_tokens > 0):
@@ -237,10 +263,7 @@ class GlobalSuffixIndex:
             d = replica.global_tree.speculate_ndarray(*args)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "global"
-        token_ids = best.token_ids
-        if not token_ids:
-            return Draft(match_len=best.match_len)
-        return Draft(token_ids, best.probs, float(best.score), int(best.match_len), source)
+        return best, best_score, source
 
     # ================================================================ memory & stats
     @property

@@ -99,13 +99,14 @@ class RequestTrees:
         state = self.get(request_id)  # an unknown request is an error even with nothing to add
         tokens = as_token_array(token_ids, "token_ids", allow_empty=True)
         if tokens.size:
-            self._append(state, tokens)
+            self.append_to(state, tokens)
 
     def extend_tokens(self, request_id: str, tokens: np.ndarray) -> None:
         """:meth:`extend` of a non-empty, checked contiguous int32 array."""
-        self._append(self.get(request_id), tokens)
+        self.append_to(self.get(request_id), tokens)
 
-    def _append(self, state: RequestState, tokens: np.ndarray) -> None:
+    def append_to(self, state: RequestState, tokens: np.ndarray) -> None:
+        """Append checked, non-empty int32 tokens to a live request's trees."""
         self.trajectories[state.trajectory_key].append(tokens)
         if state.live_seq is not None:
             self.live.extend_ndarray(state.live_seq, tokens)
