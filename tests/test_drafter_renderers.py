@@ -35,6 +35,16 @@ def test_the_reading_checks_every_batch_and_the_share_at_32():
     assert "every batch: met; at least vLLM's at 2 of 2 batches" in ok and "2.0% of the engine's time (target <= 3%: met)" in ok
     worse = engine_drafter_reading(_doc(war_tpv=(2.5, 2.2), share32=0.04))
     assert "every batch: missed; at least vLLM's at 1 of 2 batches" in worse and "4.0% of the engine's time (target <= 3%: missed)" in worse
+    assert "vLLM's own suffix drafter" not in ok  # a file that did not time it says nothing of it
+
+
+def test_the_reading_gives_vllms_own_drafter_cost_when_the_file_timed_it():
+    doc = _doc()
+    doc["results"]["vllm_suffix"][1] = _row(32, 2.3, 0.011, 250.0)
+    text = engine_drafter_reading(doc)
+    assert "vLLM's own suffix drafter, timed alike at batch 32: 1.1% of its engine's time, 250 us per step" in text
+    row = next(x for x in engine_drafter(doc).splitlines() if x.startswith("| 32 | `vllm_suffix`"))
+    assert row.endswith("| 250 | 250 | 1.1% |")
 
 
 def _sweep(auto_at_16=95.0):

@@ -140,6 +140,8 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
         counted = {n: dict.fromkeys(SPEC_COUNTERS, 0.0) for n in names}
         sw0 = {n: llms[n].collective_rpc(RPC_INDEX_STATS, args=(True,))[0]["switch"]  # resets the step trace
                for n in names if n.startswith("war")}
+        if "vllm_suffix" in llms:  # vLLM's own drafter is timed in the same step trace
+            llms["vllm_suffix"].collective_rpc(RPC_INDEX_STATS, args=(True,))
         for r in range(repeats):
             shift = (bi + r) % len(names)
             for name in names[shift:] + names[:shift]:
@@ -180,6 +182,13 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
                 # the drafter's share of the engine's time at this batch: its mean per step x steps / wall
                 row["drafter_share"] = (st["step_trace"]["drafter_us"]["mean"] * 1e-6 * steps / wall[name]
                                         if wall[name] and steps else None)
+            if name == "vllm_suffix":
+                trace = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0].get("step_trace")
+                if trace and trace["steps"]:
+                    row["drafter_step_us"] = trace["drafter_us"]
+                    row["engine_steps"] = trace["steps"]
+                    row["drafter_share"] = (trace["drafter_us"]["mean"] * 1e-6 * trace["steps"] / wall[name]
+                                            if wall[name] else None)
             rows[name].append(row)
             print(f"  {name:18s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
                   flush=True)

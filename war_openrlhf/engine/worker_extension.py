@@ -343,14 +343,35 @@ class WarWorkerExtension:
             cache.start_request(rid, tokens_from_wire(item["prompt"], f"items[{i}].prompt"))
             cache.add_active_response(rid, tokens_from_wire(item["response"], f"items[{i}].response"))
             cache.stop_request(rid)
+        self._war_time_vllm_drafter()
         return len(items)
+
+    def _war_time_vllm_drafter(self) -> None:
+        """Baselines: time vLLM's own drafter per step in the same step trace WAR's drafter
+        fills (``war_index_stats()["step_trace"]``), so the two cost per step are measured alike."""
+        drafter = self._war_drafter()
+        if getattr(drafter, "_war_timed", False):
+            return
+        if not hasattr(self, "_war_trace"):
+            self._war_trace = StepTrace()
+        original, trace = drafter.propose, self._war_trace
+
+        def propose(*args, **kwargs):
+            start = time.perf_counter()
+            drafts = original(*args, **kwargs)
+            trace.record(start, time.perf_counter())
+            return drafts
+
+        drafter.propose = propose
+        drafter._war_timed = True
 
     def war_index_stats(self, reset: bool = False) -> dict[str, Any]:
         """The adapter's counters and the replica's ``stats()``; ``reset`` zeroes the
         counters after reading them. ``installed`` is False before an install."""
         cache = getattr(self, "_war_suffix_cache", None)
         if cache is None:
-            return {"installed": False}
+            trace = getattr(self, "_war_trace", None)  # vLLM's own drafter, when timed
+            return {"installed": False, **({"step_trace": trace.summary(reset=reset)} if trace else {})}
         if not self._war_busy():
             cache.index.work(None)  # nothing waits on an idle engine
         out = {"installed": True, "rank": int(getattr(self, "rank", 0)), **cache.stats()}

@@ -415,7 +415,8 @@ DRAFTER_SHARE_TARGET, DRAFTER_TARGET_BATCH = 0.03, 32
 @renderer("engine_drafter")
 def engine_drafter(d: dict) -> str:
     """Per batch and configuration (tools/bench_engine.py): tokens/s, tokens per verification
-    step, and for WAR's drafters their time per step and share of the engine's time."""
+    step, and for the timed drafters (WAR's, and vLLM's own in files that time it) their time
+    per step and share of the engine's time."""
     rows = []
     for name, runs in d["results"].items():
         for r in runs:
@@ -454,6 +455,11 @@ def engine_drafter_reading(d: dict) -> str:
             parts.append(f"`{name}`'s drafter at batch {DRAFTER_TARGET_BATCH}: {100 * share:.1f}% of the engine's time "
                          f"(target <= {100 * DRAFTER_SHARE_TARGET:.0f}%: "
                          f"{'met' if share <= DRAFTER_SHARE_TARGET else 'missed'}).")
+    at = [r for r in res.get("vllm_suffix", ()) if r["batch"] == DRAFTER_TARGET_BATCH and r.get("drafter_share") is not None]
+    if at:
+        parts.append(f"vLLM's own suffix drafter, timed alike at batch {DRAFTER_TARGET_BATCH}: "
+                     f"{100 * at[0]['drafter_share']:.1f}% of its engine's time, "
+                     f"{at[0]['drafter_step_us']['p50']:.0f} us per step (p50).")
     parts.append(f"({load_note(d)})")
     return " ".join(parts)
 
