@@ -284,3 +284,37 @@ def test_exploration_backs_off_while_it_confirms_and_resets_when_it_does_not():
     assert flipped_at is not None and flipped_at < 100
     assert switch._explore_interval == switch.config.explore_every
     assert on_late / 1000 < 0.15  # exploration windows only
+
+
+def _spiky(rng, seconds: float) -> float:
+    """A step as a shared CPU core times it: +-10% jitter, and now and then (3% of steps) 5-10x
+    (another process ran; seen on the CPU engines as 6-12 ms steps among 1 ms ones)."""
+    slow = float(rng.uniform(5, 10)) if rng.random() < 0.03 else 1.0
+    return seconds * float(rng.uniform(0.9, 1.1)) * slow
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rare_slow_steps_move_neither_the_curve_nor_the_price_of_a_draft_token(seed):
+    rng = np.random.default_rng(seed)
+    curve = StepCurve()
+    truth = lambda n: 0.0008 + 0.00005 * n  # noqa: E731  (CPU-like: every token costs)
+    for _ in range(3000):
+        n = int(rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 32]))
+        curve.observe(n, _spiky(rng, truth(n)))
+    for b in curve.known():
+        assert b.seconds == pytest.approx(truth(b.tokens), rel=0.1), b
+    assert curve.slope(8) == pytest.approx(0.00005, rel=0.3)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rare_slow_steps_do_not_turn_paying_drafts_off(seed):
+    # batch 4, drafting 2 tokens per request and accepting 1: (1 + 1) * T(4) / T(12) = 1.7x
+    rng = np.random.default_rng(seed)
+    switch = SpecSwitch()
+    on_steps = 0
+    for _ in range(3000):
+        on = switch.speculate
+        drafted = 8 if on else 0
+        switch.observe(4, drafted, 4 if on else 0, _spiky(rng, 0.0008 + 0.00005 * (4 + drafted)), speculating=on)
+        on_steps += on
+    assert on_steps / 3000 > 0.97

@@ -12,9 +12,13 @@ Steps with and without drafting feed the same curve, and a synchronous RL step v
 ``N`` during its high-load phase before the tail needs the curve at small ``N``, so a batch
 the engine has not run at is priced from its neighbours instead of measured on both sides
 first (a table per batch bucket and side had to calibrate each bucket the tail passed
-through). Bins are log-spaced (two per doubling of ``N``), each an EWMA of seconds and of the
-``N`` it saw. Measured steps are noisy (on two shared CPU cores a bin's estimate moves by tens
-of percent), and a step never costs less for more tokens, so the curve is the bins' isotonic
+through). Bins are log-spaced (two per doubling of ``N``), each the mean of the middle half of
+its last ``4 / ewma - 3`` steps' seconds (twice an EWMA's span, so the half kept weighs as many
+steps as the EWMA did; ``ewma`` 1: the last step) and an EWMA of the ``N`` it saw. Measured steps are noisy, and not symmetrically: on shared CPU cores a step now
+and then takes 2-3x its usual time (another process ran), and an EWMA carried such a step into
+the bin for its whole memory, which moved the switch's gain across its threshold and back from
+one window to the next and priced draft tokens at several times their cost; a trimmed mean
+ignores them. A step never costs less for more tokens, so the curve is the bins' isotonic
 (non-decreasing) fit, weighted by their samples: between bins linear, below the smallest flat,
 above the largest continued by the last two bins' slope (or ``T`` proportional to ``N`` with
 one bin). The price of a draft token is the slope of a weighted least-squares line through the
@@ -25,6 +29,7 @@ not a difference of two noisy neighbours.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -37,6 +42,16 @@ class _Bin:
     tokens: float = 0.0
     seconds: float = 0.0
     samples: int = 0
+    recent: deque | None = None  # the last steps' seconds (``seconds``: their middle half's mean)
+
+
+def _middle_mean(values) -> float:
+    """Mean of the middle half (a quarter dropped at each end): as steady as a mean on
+    symmetric noise, deaf to a few slow outliers as a median is."""
+    r = sorted(values)
+    k = (len(r) + 1) // 4  # 3 values: their median; 17: the middle 9
+    mid = r[k:len(r) - k]
+    return sum(mid) / len(mid)
 
 
 class StepCurve:
@@ -45,6 +60,7 @@ class StepCurve:
     def __init__(self, ewma: float = 0.2, min_samples: int = 3) -> None:
         self.ewma = ewma
         self.min_samples = min_samples
+        self.span = max(1, round(4.0 / ewma - 3.0))  # a bin's last steps, whose middle half it keeps
         self.bins: dict[int, _Bin] = {}
         self._known: list[_Bin] | None = None
 
@@ -57,10 +73,11 @@ class StepCurve:
         if b.samples >= self.min_samples and seconds > 10 * b.seconds:
             return False
         if b.samples == 0:
-            b.tokens, b.seconds = float(tokens), seconds
+            b.tokens, b.recent = float(tokens), deque(maxlen=self.span)
         else:
             b.tokens += self.ewma * (tokens - b.tokens)
-            b.seconds += self.ewma * (seconds - b.seconds)
+        b.recent.append(seconds)
+        b.seconds = _middle_mean(b.recent)
         b.samples += 1
         self._known = None
         return True
