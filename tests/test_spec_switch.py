@@ -318,3 +318,28 @@ def test_rare_slow_steps_do_not_turn_paying_drafts_off(seed):
         switch.observe(4, drafted, 4 if on else 0, _spiky(rng, 0.0008 + 0.00005 * (4 + drafted)), speculating=on)
         on_steps += on
     assert on_steps / 3000 > 0.97
+
+
+def test_a_stall_is_refused_but_a_lasting_change_of_cost_is_followed():
+    curve = StepCurve(ewma=0.2, min_samples=3)
+    for _ in range(20):
+        curve.observe(8, 0.001)
+    # a young bin (16 tokens) refuses a first step costing over 2x the per-token rate of the
+    # 8-token bin (a stall), and takes one that costs what 16 tokens cost
+    assert not curve.observe(16, 0.005) and curve.stalls == 1
+    assert curve.observe(16, 0.0018)
+    # a measured bin refuses a 5x step ...
+    assert not curve.observe(8, 0.005)
+    assert curve.bins[_bin_of(8)].seconds == pytest.approx(0.001)
+    # ... but a cost that stays 5x (longer contexts, another tenant) is taken after half a span
+    taken = [curve.observe(8, 0.005) for _ in range(curve.span)]
+    half = curve.span // 2
+    # the half-th outlier in a row (one came before the loop) restarts the bin at the new cost
+    assert taken[: half - 2] == [False] * (half - 2) and all(taken[half - 2:])
+    assert curve.bins[_bin_of(8)].seconds == pytest.approx(0.005)
+
+
+def _bin_of(tokens):
+    from war_openrlhf.engine.step_cost import _bin
+
+    return _bin(tokens)

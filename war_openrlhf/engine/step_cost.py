@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _bin(tokens: float) -> int:
@@ -43,6 +43,7 @@ class _Bin:
     seconds: float = 0.0
     samples: int = 0
     recent: deque | None = None  # the last steps' seconds (``seconds``: their middle half's mean)
+    refused: list = field(default_factory=list)  # the steps just refused as stalls, in a row
 
 
 def _middle_mean(values) -> float:
@@ -63,15 +64,43 @@ class StepCurve:
         self.span = max(1, round(4.0 / ewma - 3.0))  # a bin's last steps, whose middle half it keeps
         self.bins: dict[int, _Bin] = {}
         self._known: list[_Bin] | None = None
+        self.stalls = 0  # steps refused as stalls or idle gaps (see observe)
 
     def observe(self, tokens: int, seconds: float) -> bool:
-        """One step; False when ignored (no tokens, not a duration, or an idle gap: more than
-        10x its bin's estimate)."""
+        """One step; False when ignored (no tokens, not a duration, or a stall or idle gap: more
+        than 3x its bin's estimate, unless half a span of steps in a row are, or, in a bin with
+        fewer than ``min_samples`` steps, more than twice the per-token seconds of the largest
+        measured bin below it)."""
         if tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
             return False
         b = self.bins.setdefault(_bin(tokens), _Bin())
-        if b.samples >= self.min_samples and seconds > 10 * b.seconds:
-            return False
+        if b.samples >= self.min_samples:
+            # More than 3x the bin's estimate: a stall or an idle gap, unless it keeps happening
+            # (half a span in a row: the cost itself changed, and the bin restarts from those steps).
+            if seconds > 3.0 * b.seconds:
+                b.refused.append(seconds)
+                if len(b.refused) < max(self.span // 2, 1):
+                    self.stalls += 1
+                    return False
+                b.recent = deque(b.refused, maxlen=self.span)
+                b.refused = []
+                b.seconds = _middle_mean(b.recent)
+                b.samples += 1
+                self._known = None
+                return True
+            b.refused = []
+        else:
+            # A young bin's first steps decide its estimate alone. A step costing more than twice
+            # the per-token rate of a smaller measured bin is a stall, not the cost of its tokens
+            # (a step's cost per token falls with batching); seen on CPU engines as 3-25 ms steps
+            # among 1 ms ones, which made the first bin at a new batch size say drafting lost 5x.
+            ref = None
+            for o in self.bins.values():
+                if o.samples >= self.min_samples and o.tokens <= tokens and (ref is None or o.tokens > ref.tokens):
+                    ref = o
+            if ref is not None and seconds > 2.0 * ref.seconds * tokens / ref.tokens:
+                self.stalls += 1
+                return False
         if b.samples == 0:
             b.tokens, b.recent = float(tokens), deque(maxlen=self.span)
         else:

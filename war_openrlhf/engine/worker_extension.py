@@ -213,13 +213,15 @@ class WarWorkerExtension:
         ``propose`` calls is one whole engine cycle (drafting, scheduling, the forward
         pass over ``requests + drafts`` query tokens, sampling and verification, output
         processing), which is what speculation must pay for. Steps that also
-        prefilled a new request are not fed (their cost is the prompt's). The
+        prefilled a new request are not fed (their cost is the prompt's), nor the step
+        after one (its requests' start-up: their drafter trees, their first decode). The
         switch's decision applies from the next step."""
         if getattr(drafter, "_war_wrapped", False):
             return
         original = drafter.propose
         worker = self
-        state = {"start": None, "drafted": 0, "estimated": 0.0, "enabled": False, "seen": set(), "active": True}
+        state = {"start": None, "drafted": 0, "estimated": 0.0, "enabled": False, "seen": set(), "active": True,
+                 "after_prefill": False}
 
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             cache = getattr(worker, "_war_suffix_cache", None)
@@ -249,7 +251,8 @@ class WarWorkerExtension:
                 prefill = requests < len(sampled_token_ids) or any(
                     rid not in state["seen"] for rid in input_batch.req_ids[: len(sampled_token_ids)]
                 )
-                if requests and not prefill:
+                after_prefill, state["after_prefill"] = state["after_prefill"], prefill
+                if requests and not prefill and not after_prefill:
                     accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
                     switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"],
                                    estimated=state["estimated"])
