@@ -233,7 +233,14 @@ def test_switch_above_its_threshold_proposes_nothing_and_below_it_does(engine):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(10, 500, size=10).tolist() for _ in range(8)]
     sp = dict(temperature=0.0, max_tokens=48, ignore_eos=True)
-    ray.get([engine.generate_tokens.remote(p, sp) for p in prompts])  # high load: switch goes off
+    outs = ray.get([engine.generate_tokens.remote(p, sp) for p in prompts])  # high load: switch goes off
+    # the replica holds these prompts' answers, so drafts exist whatever ran on this engine before
+    applied0 = _totals(engine)["war"]["index"]["applied_seq"]
+    log = CompletedSequenceLog(start_seq=applied0)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        log.append(CompletedSequence.create(f"fallback{i}", "gf", 0, p, o["token_ids"]))
+    ray.get(engine.push_log.remote(log.read(applied0)))
+    ray.get(engine.flush_log.remote())
     before = _totals(engine)
     ray.get([engine.generate_tokens.remote(p, sp) for p in prompts])
     high = _totals(engine)
