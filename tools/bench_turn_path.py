@@ -59,7 +59,8 @@ GROUPS = (("ray client", ("/ray/",)), ("asyncio & threads", ("asyncio/", "thread
           ("episode loop", ("rollout/episode", "rollout/trajectory", "rollout/agents")),
           ("turn router & pool", ("rollout/turn_router", "rollout/pool", "rollout/engine_client", "rollout/supervisor",
                                   "rollout/turn_result", "engine/stats")),
-          ("numpy", ("numpy/",)))
+          ("numpy", ("numpy/",)),
+          ("turn channel: sockets & msgpack", ("engine/turn_channel", "_socket.socket", "msgpack")))
 
 #: built-ins that block (their profiled time is waiting for the engine, not driver CPU)
 WAITS = ("poll", "select", "acquire", "sleep", "wait", "recv")
@@ -145,7 +146,8 @@ def profile_pool(pool, rows, sequential) -> dict:
         if file == "~" and any(w in fn for w in WAITS):
             name = "waiting (blocked, not CPU)"
         else:
-            name = next((g for g, keys in GROUPS if any(k in file for k in keys)), "other")
+            where = fn if file == "~" else file  # a built-in: its name says what it is
+            name = next((g for g, keys in GROUPS if any(k in where for k in keys)), "other")
             top.append((tottime, f"{file.split('site-packages/')[-1]}:{line}({fn})", ncalls))
         groups[name] = groups.get(name, 0.0) + tottime
     top = [{"function": f, "calls": n, "seconds": t} for t, f, n in sorted(top, reverse=True)[:40]]
