@@ -69,34 +69,6 @@ def test_answers_find_their_requests_out_of_order_and_contexts_arrive_exactly():
     _run(main())
 
 
-@pytest.mark.parametrize("reach", ["unix", "tcp", "unix path gone"])
-def test_a_client_on_the_engines_node_takes_the_unix_socket_and_any_other_tcp(reach):
-    """The engine serves both; a client whose node has the engine's socket path connects over it,
-    one given no path (another node) or a path that does not exist here uses TCP; both carry
-    turns exactly, and closing the server removes its socket file."""
-    import os
-
-    async def main():
-        server = TurnChannelServer(_handler)
-        address = dict(await server.start("127.0.0.1"))
-        path = address["unix"]
-        assert path and os.path.exists(path)
-        if reach == "tcp":
-            address["unix"] = None
-        elif reach == "unix path gone":
-            address["unix"] = path + ".elsewhere"
-        client = await TurnChannelClient.connect(address)
-        assert client.transport_kind == ("unix" if reach == "unix" else "tcp")
-        ctx = np.arange(1000, dtype=np.int32)
-        answer = await client.request(client.encode(ctx, {}, "t", "g", 3))
-        assert answer["token_ids"] == ctx[::-1].tolist() and answer["priority"] == 3
-        client.close()
-        server.close()
-        assert not os.path.exists(path)
-
-    _run(main())
-
-
 def test_an_engine_error_keeps_its_class_names_and_a_dead_engine_is_recognised():
     async def body(client, _server):
         ctx = np.arange(3, dtype=np.int32)

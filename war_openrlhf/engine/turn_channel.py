@@ -11,12 +11,8 @@ would cost the driver and the actor that CPU twice per engine, twenty times a se
 else (start-up, stats, weight syncs, recovery) stays on Ray.
 
 The engine serves the channel on its actor's event loop (the loop its vLLM engine runs on), bound
-to its node's address on a free port, and on a Unix socket whose path carries a random name;
-:meth:`WarEngine.turn_channel` returns ``{host, port, token, unix}`` over Ray. A client on the
-engine's own node (the path exists there: its random name exists nowhere else) connects over the
-Unix socket, which costs a fraction of a loopback TCP send per frame (the TCP stack runs both
-ends of a loopback packet inside the sender's ``send``: about 40 us of driver CPU a turn on a
-2-core VM); any other client, or one whose Unix connection fails, uses TCP. A client must send the token first (a random 32-byte secret only the pool
+to its node's address on a free port; :meth:`WarEngine.turn_channel` returns ``{host, port,
+token}`` over Ray. A client must send the token first (a random 32-byte secret only the pool
 learns through Ray); the server closes any connection that does not. Frames are a 4-byte
 little-endian length and a msgpack body:
 
@@ -36,9 +32,7 @@ import hmac
 import itertools
 import logging
 import os
-import socket
 import struct
-import tempfile
 from typing import Any, Awaitable, Callable
 
 import msgpack
@@ -104,8 +98,6 @@ class TurnChannelServer:
         self.calls = dict(calls or {})
         self.token = os.urandom(TOKEN_BYTES)
         self._server: asyncio.base_events.Server | None = None
-        self._unix_server: asyncio.base_events.Server | None = None
-        self._unix_path = ""
         self._tasks: set[asyncio.Task] = set()
         self.address: dict[str, Any] | None = None
         self.refused_connections = 0
@@ -115,27 +107,13 @@ class TurnChannelServer:
             host = host or _node_address()
             self._server = await asyncio.start_server(self._serve, host, 0)
             port = self._server.sockets[0].getsockname()[1]
-            self.address = {"host": host, "port": int(port), "token": self.token, "unix": None}
-            path = os.path.join(tempfile.gettempdir(), f"war-turns-{os.getpid()}-{os.urandom(8).hex()}.sock")
-            try:
-                self._unix_server = await asyncio.start_unix_server(self._serve, path)
-                self._unix_path = path
-                self.address["unix"] = path
-            except OSError as exc:  # no writable temp dir, a path too long: TCP only
-                log.info("turn channel: no Unix socket (%s); TCP only", exc)
+            self.address = {"host": host, "port": int(port), "token": self.token}
         return self.address
 
     def close(self) -> None:
         if self._server is not None:
             self._server.close()
             self._server = None
-        if self._unix_server is not None:
-            self._unix_server.close()
-            self._unix_server = None
-            try:
-                os.unlink(self._unix_path)
-            except OSError:
-                pass
         for task in list(self._tasks):
             task.cancel()
         self.address = None
@@ -193,25 +171,10 @@ class TurnChannelClient:
 
     @classmethod
     async def connect(cls, address: dict[str, Any], timeout_s: float = 10.0) -> "TurnChannelClient":
-        """Over the engine's Unix socket when it is on this node (its path exists here), else TCP."""
-        path = address.get("unix")
-        opened = None
-        if path and os.path.exists(path):
-            try:
-                opened = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout_s)
-            except (OSError, asyncio.TimeoutError) as exc:
-                log.info("turn channel: Unix socket %s refused (%s); TCP", path, exc)
-        if opened is None:
-            opened = await asyncio.wait_for(asyncio.open_connection(address["host"], int(address["port"])), timeout_s)
-        reader, writer = opened
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(address["host"], int(address["port"])),
+                                                timeout_s)
         writer.write(bytes(address["token"]))
         return cls(reader, writer)
-
-    @property
-    def transport_kind(self) -> str:
-        """``unix`` or ``tcp``: how this connection reaches its engine."""
-        sock = self._writer.get_extra_info("socket")
-        return "unix" if sock is not None and sock.family == socket.AF_UNIX else "tcp"
 
     @staticmethod
     def encode(context: np.ndarray, sampling_kwargs: dict[str, Any], trajectory_id: str | None,
