@@ -343,3 +343,32 @@ def _bin_of(tokens):
     from war_openrlhf.engine.step_cost import _bin
 
     return _bin(tokens)
+
+
+def test_the_drafters_own_time_is_priced_per_request_not_per_token():
+    """A memory-bound step curve where the verified tokens ride almost free, but proposing the
+    drafts costs 0.4 ms per request: at batch 32 that makes a drafting step 12.8 ms longer, and
+    drafting 2 tokens to get 1 no longer pays ((1 + 1) * T(32) / (T(96) + 12.8 ms) = 0.8). Told the
+    drafter's time, the switch turns drafting off; at batch 2 (0.8 ms of drafter) it keeps it on."""
+    def step(n):
+        return 0.010 + 0.0001 * n
+
+    def run(batch, told):
+        switch = SpecSwitch()
+        on_steps = 0
+        for _ in range(2000):
+            on = switch.speculate
+            drafted = 2 * batch if on else 0
+            drafter = 0.0004 * batch if on else 0.0
+            switch.observe(batch, drafted, batch if on else 0, step(batch + drafted) + drafter, speculating=on,
+                           drafter_seconds=drafter if told else 0.0)
+            on_steps += on
+        return on_steps / 2000, switch
+
+    off_fraction, switch = run(32, told=True)
+    assert off_fraction < 0.15, switch.stats()
+    assert switch.stats()["drafter_seconds_per_request_step"] == pytest.approx(0.0004, rel=0.01)
+    # the curve keeps the forward pass alone, so a batch of 96 without drafts is priced right
+    assert switch.curve.seconds(96) == pytest.approx(step(96), rel=0.05)
+    assert run(32, told=False)[1].curve.seconds(96) > 1.5 * step(96)  # the drafter read as token cost
+    assert run(2, told=True)[0] > 0.9

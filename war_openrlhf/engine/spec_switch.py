@@ -14,8 +14,11 @@ draft tokens per request-step), so the expected gain at batch ``b`` is
     gain(b) = (1 + a) * T_off(b) / T_on(b)
 
 ``rule: model`` (default) prices both sides with one :class:`~.step_cost.StepCurve`, step
-seconds over the query tokens a step carries: ``T_off(b) = T(b)``, ``T_on(b) = T(b + d*b)``
-(``d``: draft tokens per request-step, ``a``: EWMAs over drafting steps), fed by steps of
+seconds over the query tokens a step carries, less the drafter's own time: ``T_off(b) = T(b)``,
+``T_on(b) = T(b + d*b) + b * g`` (``d``: draft tokens per request-step, ``a``: ratios of decayed
+sums over drafting steps, ``g``: the drafter's seconds per request-step, likewise; the drafter's
+work grows with the requests, not the tokens, and at batch 32 on a CPU it is a real share of a
+step, which a curve of tokens alone priced as free), fed by steps of
 both sides, so a batch the engine has not run at is priced from its neighbours. Outside the
 measured range the curve gives bounds (a step costs no more for fewer tokens and no less per
 token for more); only when the bounds straddle the threshold is the missing side measured. ``rule: buckets`` keeps an EWMA of ``T_on``,
@@ -181,6 +184,8 @@ class SpecSwitch:
         self.curve = StepCurve(self.config.ewma, self.config.min_samples)
         # decayed sums over drafting steps (see observe): accepted and drafted tokens, request-steps
         self._acc_sum = self._draft_sum = self._req_sum = 0.0
+        self._drafter_sum = 0.0  # decayed seconds the drafter itself took in drafting steps
+        self._drafter_per_req = 0.0  # ... per request-step: what drafting adds beyond the forward pass
         self._accepted_per_req: float | None = None  # their ratios: per request-step
         self._drafted_per_req = 0.0
         self._explore_interval = self.config.explore_every  # windows; doubles while exploring confirms
@@ -206,13 +211,17 @@ class SpecSwitch:
 
     # ------------------------------------------------------------------ inputs
     def observe(self, requests: int, drafted: int, accepted: int, seconds: float,
-                speculating: bool | None = None, estimated: float | None = None) -> None:
+                speculating: bool | None = None, estimated: float | None = None,
+                drafter_seconds: float = 0.0) -> None:
         """One engine step: ``requests`` decoded, ``drafted`` draft tokens verified
         (summed over requests), ``accepted`` of them accepted, in ``seconds``.
         ``speculating``: whether drafting was on for this step (default: drafted > 0);
         a step with drafting on that found no draft still counts as speculating.
         ``estimated``: the accepted tokens the index expected of those drafts (the sum of
-        their chain probabilities), which calibrates the draft rule."""
+        their chain probabilities), which calibrates the draft rule.``drafter_seconds``: the part of ``seconds`` the drafter itself took (proposing the drafts): the
+        step curve prices query tokens, and the drafter's cost grows with the requests, not the
+        tokens, so it is kept apart and added back per request when a drafting step is priced.
+        """
         if requests <= 0:
             return
         self.steps += 1
@@ -226,7 +235,7 @@ class SpecSwitch:
             self._settling -= 1  # the first steps after a change carry the other side's state
         else:
             self.table.observe(requests, speculating, seconds, accepted / requests, drafted / requests)
-            self.curve.observe(requests + drafted, seconds)
+            self.curve.observe(requests + drafted, max(seconds - drafter_seconds, 1e-9))
         if speculating:
             w = self.config.ewma
             # Ratios of decayed sums, not an EWMA of per-step ratios: one step at batch 1 accepts
@@ -237,8 +246,10 @@ class SpecSwitch:
             self._acc_sum = self._acc_sum * keep + accepted
             self._draft_sum = self._draft_sum * keep + drafted
             self._req_sum = self._req_sum * keep + requests
+            self._drafter_sum = self._drafter_sum * keep + max(drafter_seconds, 0.0)
             self._accepted_per_req = self._acc_sum / self._req_sum
             self._drafted_per_req = self._draft_sum / self._req_sum
+            self._drafter_per_req = self._drafter_sum / self._req_sum
             if estimated is not None and drafted > 0:
                 self._estimated = self._estimated * keep + float(estimated)
                 self._accepted = self._accepted * keep + float(accepted)
@@ -265,10 +276,11 @@ class SpecSwitch:
             return None
         off = self.curve.bounds(batch)
         on = self.curve.bounds(batch * (1.0 + self._drafted_per_req))
+        drafter = batch * self._drafter_per_req
         if off is None or on is None or not (off[0] > 0 and on[0] > 0):
             return None
         emitted = 1.0 + self._accepted_per_req
-        return emitted * off[0] / on[1], emitted * off[1] / on[0]
+        return emitted * off[0] / (on[1] + drafter), emitted * off[1] / (on[0] + drafter)
 
     @property
     def calibration(self) -> float | None:
@@ -285,6 +297,8 @@ class SpecSwitch:
             return None
         on_tokens = batch * (1.0 + self._drafted_per_req)
         t_on, cost = self.curve.seconds(on_tokens), self.curve.slope(on_tokens)
+        if t_on is not None:
+            t_on += batch * self._drafter_per_req
         if t_on is None or cost is None or not t_on > 0:
             return None
         rate = (1.0 + self._accepted_per_req) * batch / t_on  # tokens a second
@@ -387,6 +401,7 @@ class SpecSwitch:
             "draft_calibration": self.calibration,
             "accepted_per_request_step": self._accepted_per_req,
             "drafted_per_request_step": self._drafted_per_req,
+            "drafter_seconds_per_request_step": self._drafter_per_req,
             "step_curve": self.curve.points(),
             "steps": self.steps,
             "spec_steps": self.spec_steps,

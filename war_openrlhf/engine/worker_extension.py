@@ -221,7 +221,7 @@ class WarWorkerExtension:
         original = drafter.propose
         worker = self
         state = {"start": None, "drafted": 0, "estimated": 0.0, "enabled": False, "seen": set(), "active": True,
-                 "after_prefill": False}
+                 "after_prefill": False, "drafter_s": 0.0}
 
         def propose(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs):
             cache = getattr(worker, "_war_suffix_cache", None)
@@ -255,7 +255,7 @@ class WarWorkerExtension:
                 if requests and not prefill and not after_prefill:
                     accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
                     switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"],
-                                   estimated=state["estimated"])
+                                   estimated=state["estimated"], drafter_seconds=state["drafter_s"])
                     worker._war_apply_mode()
             state["enabled"] = bool(cache is not None and cache.enabled)
             state["seen"] = set(input_batch.req_ids[: len(sampled_token_ids)])
@@ -263,8 +263,10 @@ class WarWorkerExtension:
                 # Off: skip the proposer's per-request work entirely (at high load it is
                 # a real share of the step). Requests are released; when drafting comes
                 # back, vLLM's proposer restarts them from their prompts.
+                releasing = time.perf_counter()
                 for rid in list(cache.active_requests):
                     cache.stop_request(rid)
+                state["drafter_s"] = time.perf_counter() - releasing
                 state["drafted"] = 0
                 state["estimated"] = 0.0
                 state["start"] = now
@@ -273,12 +275,14 @@ class WarWorkerExtension:
             state["active"] = True
             if cache is not None:
                 cache.step_score = 0.0
+            drafting = time.perf_counter()
             if cache is not None and drafter.suffix_cache is cache:
                 # vLLM's loop, fused over the replica (the same drafts; see WarSuffixCache.propose)
                 drafts = cache.propose(input_batch, sampled_token_ids, num_speculative_tokens,
                                        drafter.max_model_len, drafter.max_tree_depth)
             else:
                 drafts = original(num_speculative_tokens, input_batch, sampled_token_ids, *args, **kwargs)
+            state["drafter_s"] = time.perf_counter() - drafting  # the switch prices it per request
             state["drafted"] = sum(len(d) for d in drafts)
             state["estimated"] = cache.step_score if cache is not None else 0.0  # what the index expects
             state["start"] = now
