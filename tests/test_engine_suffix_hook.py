@@ -534,6 +534,71 @@ def test_fused_propose_drafts_exactly_as_vllms_loop(seed):
     assert drafted > 0  # the scenario made drafts to compare
 
 
+def _worker(drafter, batch):
+    """A worker extension over a proposer and a batch stand-in (what vLLM's worker holds)."""
+    from types import SimpleNamespace
+
+    w = object.__new__(WarWorkerExtension)
+    w.model_runner = SimpleNamespace(drafter=drafter, input_batch=batch, requests={})
+    return w
+
+
+def test_the_switch_is_fed_neither_a_prefill_step_nor_the_one_after_and_is_told_the_drafters_time():
+    """The wrapped ``propose`` feeds the switch one interval per step, except the step that brought
+    new requests (their prefill) and the step after it (their start-up), the engine's first step
+    included; each interval carries the time the drafting call took within it."""
+    from war_openrlhf.engine.spec_switch import SpecSwitch
+
+    class Spy(SpecSwitch):
+        def __init__(self):
+            super().__init__()
+            self.fed = []
+
+        def observe(self, *args, **kwargs):
+            self.fed.append((step, args, kwargs))
+            super().observe(*args, **kwargs)
+
+    batch = _FakeBatch(rows=4)
+    prop = _proposer(WarSuffixCache(GlobalSuffixIndex()))
+    w = _worker(prop, batch)
+    w.war_install_index({}, None, "on")
+    w._war_switch = spy = Spy()
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        if step in (0, 4):  # new requests join at steps 0 and 4
+            for k in range(2):
+                batch.add(f"r{step}-{k}", rng.integers(0, 50, 12).tolist())
+        sampled = []
+        for rid in batch.req_ids:
+            ids = rng.integers(0, 50, 2).tolist()
+            batch.emit(rid, ids)
+            sampled.append(ids)
+        prop.propose(prop.num_speculative_tokens, batch, sampled)
+        time.sleep(0.002)
+    assert [f[0] for f in spy.fed] == [2, 3, 6, 7]
+    for _, args, kwargs in spy.fed:
+        assert 0 < kwargs["drafter_seconds"] < args[3]  # a part of the step's interval
+
+
+def test_vllms_own_drafter_is_timed_in_the_step_trace_once_its_cache_is_seeded():
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    batch = _FakeBatch(rows=2)
+    prop = _proposer(SuffixDecodingCache(max_tree_depth=24, max_cached_requests=0))
+    w = _worker(prop, batch)
+    assert w.war_index_stats() == {"installed": False}  # nothing timed yet
+    item = {"prompt": np.arange(1, 9, dtype="<i4").tobytes(), "response": np.arange(20, 40, dtype="<i4").tobytes()}
+    assert w.war_seed_vllm_suffix_cache([item]) == 1
+    w.war_seed_vllm_suffix_cache([item])  # a second seeding does not time the drafter twice
+    batch.add("r", list(range(1, 9)))
+    for step in range(3):
+        batch.emit("r", [20 + step])
+        prop.propose(prop.num_speculative_tokens, batch, [[20 + step]])
+    trace = w.war_index_stats(reset=True)["step_trace"]
+    assert trace["steps"] == 3 and trace["drafter_us"]["p50"] > 0
+    assert w.war_index_stats()["step_trace"]["steps"] == 0  # reset after reading
+
+
 def _log() -> CompletedSequenceLog:
     log = CompletedSequenceLog()
     log.append(CompletedSequence.create("t0", "g0", 0, list(range(1, 300)), [5, 6, 7]))  # > msgpack inline size

@@ -119,6 +119,14 @@ def start_config(name, model, prompts, earlier, k, engine_args):
     return llm, start_s
 
 
+def _drafter_columns(row: dict, trace: dict, steps: int, wall_s: float) -> None:
+    """The drafter's time per step and its share of the engine's time at this batch (its mean per
+    step x the engine's steps / the batch's wall time) from an engine's step trace."""
+    row["drafter_step_us"] = trace["drafter_us"]
+    row["engine_steps"] = steps
+    row["drafter_share"] = trace["drafter_us"]["mean"] * 1e-6 * steps / wall_s if wall_s and steps else None
+
+
 def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
     """Every configuration's rows (one per batch size), the configurations of each repeat in
     rotating order (a slow minute of the machine lands on all of them alike): tokens/s per run,
@@ -177,18 +185,11 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
                 row["switch_gain"] = sw1["expected_gain"]
                 row["switch_reason"] = sw1["decision_reason"]
                 row["table"] = sw1["table"]
-                row["drafter_step_us"] = st["step_trace"]["drafter_us"]
-                row["engine_steps"] = steps
-                # the drafter's share of the engine's time at this batch: its mean per step x steps / wall
-                row["drafter_share"] = (st["step_trace"]["drafter_us"]["mean"] * 1e-6 * steps / wall[name]
-                                        if wall[name] and steps else None)
-            if name == "vllm_suffix":
+                _drafter_columns(row, st["step_trace"], steps, wall[name])
+            if name == "vllm_suffix":  # vLLM's own drafter, timed in the same step trace
                 trace = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0].get("step_trace")
                 if trace and trace["steps"]:
-                    row["drafter_step_us"] = trace["drafter_us"]
-                    row["engine_steps"] = trace["steps"]
-                    row["drafter_share"] = (trace["drafter_us"]["mean"] * 1e-6 * trace["steps"] / wall[name]
-                                            if wall[name] else None)
+                    _drafter_columns(row, trace, trace["steps"], wall[name])
             rows[name].append(row)
             print(f"  {name:18s} batch {b:3d}: {tps['median']:8.0f} tok/s ({tps['min']:.0f}-{tps['max']:.0f})",
                   flush=True)

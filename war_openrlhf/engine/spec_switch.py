@@ -218,10 +218,10 @@ class SpecSwitch:
         ``speculating``: whether drafting was on for this step (default: drafted > 0);
         a step with drafting on that found no draft still counts as speculating.
         ``estimated``: the accepted tokens the index expected of those drafts (the sum of
-        their chain probabilities), which calibrates the draft rule.``drafter_seconds``: the part of ``seconds`` the drafter itself took (proposing the drafts): the
-        step curve prices query tokens, and the drafter's cost grows with the requests, not the
-        tokens, so it is kept apart and added back per request when a drafting step is priced.
-        """
+        their chain probabilities), which calibrates the draft rule. ``drafter_seconds``: the part
+        of ``seconds`` the drafter itself took (proposing the drafts): the step curve prices query
+        tokens, and the drafter's cost grows with the requests, not the tokens, so it is kept
+        apart and added back per request when a drafting step is priced."""
         if requests <= 0:
             return
         self.steps += 1

@@ -14,8 +14,9 @@ the engine has not run at is priced from its neighbours instead of measured on b
 first (a table per batch bucket and side had to calibrate each bucket the tail passed
 through). Bins are log-spaced (two per doubling of ``N``), each the mean of the middle half of
 its last ``4 / ewma - 3`` steps' seconds (twice an EWMA's span, so the half kept weighs as many
-steps as the EWMA did; ``ewma`` 1: the last step) and an EWMA of the ``N`` it saw. Measured steps are noisy, and not symmetrically: on shared CPU cores a step now
-and then takes 2-3x its usual time (another process ran), and an EWMA carried such a step into
+steps as the EWMA did; ``ewma`` 1: the last step) and an EWMA of the ``N`` it saw. Measured
+steps are noisy, and not symmetrically: on shared CPU cores a step now and then takes several
+times its usual time (another process ran), and an EWMA carried such a step into
 the bin for its whole memory, which moved the switch's gain across its threshold and back from
 one window to the next and priced draft tokens at several times their cost; a trimmed mean
 ignores them. A step never costs less for more tokens, so the curve is the bins' isotonic

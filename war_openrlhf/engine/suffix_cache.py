@@ -191,30 +191,15 @@ class WarSuffixCache:
         :class:`Draft`. ``pattern_len``: the proposer's ``max_tree_depth`` (the tail of a
         request's tokens it hands to ``speculate``).
         """
-        if not self.enabled:
-            c = self.counters
-            drafts = []
-            for i, sampled in enumerate(sampled_token_ids):
-                if sampled and input_batch.num_tokens_no_spec[i] < max_model_len:
-                    rid = input_batch.req_ids[i]
-                    if rid not in self._active:
-                        j = input_batch.req_id_to_index[rid]
-                        self.start_request(rid, input_batch.token_ids_cpu[j, : input_batch.num_prompt_tokens[j]])
-                    self.add_active_response(rid, sampled)
-                    c["speculate_calls"] += 1
-                    c["disabled_calls"] += 1
-                drafts.append([])
-            self._stop_absent(input_batch)
-            return drafts
         index, c, pending = self.index, self.counters, self._pending
         drafted, drafted_tokens, accepted = c["drafts"], c["draft_tokens"], c["accepted_tokens"]
-        active, min_prob = self._active, self.min_token_prob
+        active, min_prob, enabled = self._active, self.min_token_prob, self.enabled
         req_ids, num_tokens_no_spec, token_ids_cpu = input_batch.req_ids, input_batch.num_tokens_no_spec, \
             input_batch.token_ids_cpu
         if token_ids_cpu.dtype != np.int32:  # vLLM's buffer is int32; the trees take nothing else
             token_ids_cpu = token_ids_cpu.astype(np.int32)
         drafts: list[list[int]] = []
-        calls = empty = 0
+        calls = empty = disabled = 0
         score_sum = 0.0
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
@@ -239,13 +224,17 @@ class WarSuffixCache:
                 accepted[source] += n
             index.append_sampled(state, sampled)
             calls += 1
+            if not enabled:  # vLLM's loop still feeds the requests; speculate answers empty
+                disabled += 1
+                drafts.append([])
+                continue
             max_tokens = min(num_speculative_tokens, max_model_len - num_tokens - 1)
             if max_tokens <= 0:
                 empty += 1
                 drafts.append([])
                 continue
-            best, _, source = index.best_draft(state, token_ids_cpu[i, max(0, num_tokens - pattern_len):num_tokens],
-                                               max_tokens, min_prob)
+            best, source = index.best_draft(state, token_ids_cpu[i, max(0, num_tokens - pattern_len):num_tokens],
+                                            max_tokens, min_prob)
             tokens = best.token_ids
             if not tokens:
                 empty += 1
@@ -258,14 +247,12 @@ class WarSuffixCache:
             drafts.append(tokens)
         c["speculate_calls"] += calls
         c["empty_drafts"] += empty
+        c["disabled_calls"] += disabled
         self.step_score += score_sum
-        self._stop_absent(input_batch)
-        return drafts
-
-    def _stop_absent(self, input_batch: Any) -> None:
-        """Stop the requests that left the batch (vLLM's proposer's expression, so in its order)."""
+        # the requests that left the batch (vLLM's proposer's expression, so in its order)
         for rid in self.active_requests - input_batch.req_id_to_index.keys():
             self.stop_request(rid)
+        return drafts
 
     def stop_request(self, req_id: str) -> None:
         if req_id not in self._active:

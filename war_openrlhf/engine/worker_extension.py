@@ -246,13 +246,13 @@ class WarWorkerExtension:
                 done = index.work(None if over else index.config.apply_budget_ms / 1e3)
                 worker._war_trace.applied(done["seconds"])
             switch = getattr(worker, "_war_switch", None)
-            if cache is not None and switch is not None and state["start"] is not None:
+            if cache is not None and switch is not None:
                 requests = sum(1 for ids in sampled_token_ids if ids)
                 prefill = requests < len(sampled_token_ids) or any(
                     rid not in state["seen"] for rid in input_batch.req_ids[: len(sampled_token_ids)]
                 )
                 after_prefill, state["after_prefill"] = state["after_prefill"], prefill
-                if requests and not prefill and not after_prefill:
+                if state["start"] is not None and requests and not prefill and not after_prefill:
                     accepted = sum(len(ids) - 1 for ids in sampled_token_ids if ids)
                     switch.observe(requests, state["drafted"], accepted, now - state["start"], state["enabled"],
                                    estimated=state["estimated"], drafter_seconds=state["drafter_s"])

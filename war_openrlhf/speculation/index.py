@@ -150,10 +150,9 @@ class GlobalSuffixIndex:
         of ids the engine just sampled for the request (Python ints); a negative id (a padded
         slot) falls back to the checked path, which names it. The checked path's per-token
         validation was a large share of the drafter's time at batch 32 (cProfile of one engine)."""
-        if token_ids and min(token_ids) >= 0:
-            self._local.extend_tokens(request_id, np.array(token_ids, dtype=np.int32))
-        else:
-            self._local.extend(request_id, token_ids)
+        state = self._local.get(request_id)  # an unknown request is an error even with nothing to add
+        if token_ids:
+            self.append_sampled(state, token_ids)
 
     def stop_request(self, request_id: str) -> None:
         """The request finished (its record arrives through the log)."""
@@ -201,7 +200,7 @@ class GlobalSuffixIndex:
                    min_token_prob: float | None = None) -> Draft:
         if max_tokens <= 0:
             return Draft()
-        best, score, source = self.best_draft(state, ctx, max_tokens, min_token_prob)
+        best, source = self.best_draft(state, ctx, max_tokens, min_token_prob)
         token_ids = best.token_ids
         if not token_ids:
             return Draft(match_len=best.match_len)
@@ -221,9 +220,9 @@ class GlobalSuffixIndex:
         self._local.append_to(state, np.array(token_ids, dtype=np.int32))
 
     def best_draft(self, state: RequestState, ctx: np.ndarray, max_tokens: int,
-                   min_token_prob: float | None = None) -> tuple[Any, float, str]:
-        """``(C++ draft, weighted score, source)``: the best draft of every source for the
-        request's context (``ctx``: 1-D contiguous int32, ``max_tokens`` > 0)."""
+                   min_token_prob: float | None = None) -> tuple[Any, str]:
+        """``(C++ draft, source)``: the best draft of every source for the request's context
+        (``ctx``: 1-D contiguous int32, ``max_tokens`` > 0)."""
         cfg = self.config
         min_prob = cfg.min_token_prob if min_token_prob is None else min_token_prob
         window = cfg.match_window or max(2, self._depth - max_tokens + 1)
@@ -263,7 +262,7 @@ class GlobalSuffixIndex:
             d = replica.global_tree.speculate_ndarray(*args)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "global"
-        return best, best_score, source
+        return best, source
 
     # ================================================================ memory & stats
     @property

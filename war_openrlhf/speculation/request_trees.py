@@ -101,10 +101,6 @@ class RequestTrees:
         if tokens.size:
             self.append_to(state, tokens)
 
-    def extend_tokens(self, request_id: str, tokens: np.ndarray) -> None:
-        """:meth:`extend` of a non-empty, checked contiguous int32 array."""
-        self.append_to(self.get(request_id), tokens)
-
     def append_to(self, state: RequestState, tokens: np.ndarray) -> None:
         """Append checked, non-empty int32 tokens to a live request's trees."""
         self.trajectories[state.trajectory_key].append(tokens)
