@@ -42,6 +42,27 @@ def test_suite_runs_keeps_the_json_shape_and_merges(tmp_path):
     assert m["summary"]["min_war_over_best_peer"] == min(ratios)
 
 
+def _without_timings(x):
+    if isinstance(x, dict):
+        return {k: _without_timings(v) for k, v in x.items() if "decision" not in k and "wall" not in k}
+    if isinstance(x, list):
+        return [_without_timings(v) for v in x]
+    return x
+
+
+def test_suite_in_worker_processes_gives_the_same_cells_in_matrix_order(tmp_path):
+    common = ["--suite", "--sources", "gen:math_tool,gen:chatty_long_responses", "--per-engine", "2",
+              "--suite-pressures", "2", "--suite-tools", "fast,slow", "--suite-engines", "2"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    _run(*common, "--json", str(one))
+    _run(*common, "--workers", "2", "--json", str(two))
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert [r["workload"]["source"] + r["workload"]["tools"] for r in b["runs"]] == \
+        [r["workload"]["source"] + r["workload"]["tools"] for r in a["runs"]]
+    assert _without_timings(a["runs"]) == _without_timings(b["runs"])
+    assert a["summary"] == b["summary"]
+
+
 def test_suite_from_refuses_a_non_suite_file(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"runs": []}))

@@ -165,7 +165,7 @@ def test_bad_configuration_names_the_field():
         CostModel("x", 1e-3, 0, 0, -1.0, 1024, 8, 64)
     with pytest.raises(ValueError, match="kv_capacity_tokens"):  # a turn larger than the KV
         simulate(trajs, "war", cfg(kv_capacity_tokens=64))
-    assert set(PRESETS) == {"h100_qwen7b", "cpu_tiny"}
+    assert set(PRESETS) == {"h100_qwen7b", "cpu_tiny", "h100_qwen7b_published", "a100_qwen7b_published"}
 
 
 def test_war_beats_round_robin_on_prefix_hits():

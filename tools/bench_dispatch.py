@@ -471,6 +471,35 @@ def merge_suite(args):
         plot_suite(list(zip(cells, runs)), args.plot, split)
 
 
+def _cell_job(job):
+    """One suite cell in a worker process (a deterministic simulation: the same result as in
+    the parent)."""
+    src, split, base, e, p, t, per_engine, args = job
+    return run_cell(src, split, base, e, p, t, per_engine, args)
+
+
+def _run_cells_in_workers(combos, base, args, out):
+    """The cells in ``args.workers`` processes, largest first (engines x sources' turns), the
+    runs kept in the matrix order; completed cells are written as they finish."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from tqdm import tqdm
+
+    size = {"gen:swe_like": 8}  # ~40 turns to 64k: the slowest cells to simulate
+    order = sorted(range(len(combos)), key=lambda i: -combos[i][1] * size.get(combos[i][0], 1))
+    runs = [None] * len(combos)
+    with ProcessPoolExecutor(max_workers=args.workers) as pool, \
+            tqdm(total=len(combos), desc="suite cells", file=sys.stderr) as bar:
+        futs = {pool.submit(_cell_job, (*combos[i][:1], args.split, base, *combos[i][1:],
+                                        args.per_engine, args)): i for i in order}
+        for fut in as_completed(futs):
+            runs[futs[fut]] = fut.result()
+            bar.update(1)
+            out["runs"] = [r for r in runs if r is not None]
+            write_json(args.json, out)  # partial results survive (completed cells only)
+    return runs
+
+
 def run_suite(args):
     from tqdm import tqdm
 
@@ -492,10 +521,13 @@ def run_suite(args):
     out = {"benchmark": "dispatch_suite", "simulated": True, "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
            "delay_jitter": args.jitter, "seed": args.seed, "tool_speeds": TOOL_SPEEDS,
            "generator_seed": GENERATOR_SEEDS[args.split], "runs": []}
-    with tqdm(total=len(combos) * len(POLICY_ORDER), desc="suite", file=sys.stderr) as bar:
-        for src, e, p, t in combos:
-            out["runs"].append(run_cell(src, args.split, base, e, p, t, args.per_engine, args, bar))
-            write_json(args.json, out)  # partial results survive
+    if args.workers > 1:
+        out["runs"] = _run_cells_in_workers(combos, base, args, out)
+    else:
+        with tqdm(total=len(combos) * len(POLICY_ORDER), desc="suite", file=sys.stderr) as bar:
+            for src, e, p, t in combos:
+                out["runs"].append(run_cell(src, args.split, base, e, p, t, args.per_engine, args, bar))
+                write_json(args.json, out)  # partial results survive
     cells, summary = suite_summary(out["runs"])
     out["summary"] = summary
     out["cells"] = cells
@@ -540,6 +572,8 @@ def main(argv=None):
     ap.add_argument("--suite-tools", default=",".join(TOOL_SPEEDS))
     ap.add_argument("--per-engine", type=int, default=LOADS["high"],
                     help="--suite: trajectories per engine in the measured step")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="--suite: simulate cells in this many processes (results are the same)")
     ap.add_argument("--suite-from", nargs="+", metavar="JSON",
                     help="summarise (table, plot, --json) earlier --suite results instead of "
                          "running: e.g. a matrix run in parts")

@@ -388,12 +388,32 @@ class WarDispatchPolicy(DispatchPolicy):
         return (alive * size).sum(axis=0), (alive * (1.0 - alive) * size * size).sum(axis=0)
 
     def _engine_curve(self, e: int):
+        """``(mean, variance, peak)`` of engine ``e``'s live trajectories (cached until one of
+        them moves, grows or finishes)."""
         c = self._curves[e]
         if c is None:
             shared = self._shared0_sum / max(self._x0_count, 1)
             ks, tokens = self._live_table.of_engine(e)
-            c = self._curves[e] = self._curve(ks, np.maximum(tokens - shared, 0.0))
+            mean, var = self._curve(ks, np.maximum(tokens - shared, 0.0))
+            c = self._curves[e] = (mean, var, self._peak(mean, var))
         return c
+
+    def _one_curve(self, k: int, own: float):
+        """:meth:`_curve` of one trajectory (the candidate of every engine a turn is priced
+        on): the same arithmetic without the batch's broadcasting."""
+        surv = self._survival()
+        if surv is None:
+            return self._curve([k], [own])
+        H = len(surv)
+        k = min(int(k), H - 1)
+        h = np.arange(H)
+        base = surv[k]
+        if base > 0:
+            alive = surv[np.minimum(k + h, H - 1)] / base
+        else:
+            alive = (h == 0).astype(np.float64)
+        size = float(own) + h * self.growth_per_turn()
+        return alive * size, alive * (1.0 - alive) * size * size
 
     @staticmethod
     def _peak(mean, var) -> float:
@@ -405,13 +425,16 @@ class WarDispatchPolicy(DispatchPolicy):
     def peak_need(self, e: int, add: Optional[tuple] = None) -> float:
         """Expected peak live footprint (tokens beyond the shared prompt) of engine ``e``,
         with trajectory ``add`` = (turns done, tokens it would add there) joining it."""
-        mean, var = self._engine_curve(e)
-        if add is not None:
-            m2, v2 = self._curve([add[0]], [add[1]])
+        mean, var, peak = self._engine_curve(e)
+        if add is None:
+            return peak
+        m2, v2 = self._one_curve(add[0], add[1])
+        if len(mean) != len(m2):  # a curve cached before the survival curve grew
             n = max(len(mean), len(m2))
-            mean = np.pad(mean, (0, n - len(mean)), mode="edge") + np.pad(m2, (0, n - len(m2)))
-            var = np.pad(var, (0, n - len(var)), mode="edge") + np.pad(v2, (0, n - len(v2)))
-        return self._peak(mean, var)
+            mean = np.pad(mean, (0, n - len(mean)), mode="edge")
+            var = np.pad(var, (0, n - len(var)), mode="edge")
+            m2, v2 = np.pad(m2, (0, n - len(m2))), np.pad(v2, (0, n - len(v2)))
+        return self._peak(mean + m2, var + v2)
 
     def overflow(self, e: int, k: int, tokens: float) -> float:
         """Tokens by which a trajectory (``k`` turns done, adding ``tokens``) joining engine

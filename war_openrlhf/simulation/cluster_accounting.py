@@ -32,7 +32,11 @@ class Ledger:
         self.finished_trajectories: Dict[str, int] = {}
 
     def token(self, key: Tuple[str, int]) -> None:
-        n = self.generated.get(key, 0) + 1
+        self.tokens(key, 1)
+
+    def tokens(self, key: Tuple[str, int], count: int) -> None:
+        """``count`` more tokens of turn ``key`` (one decode step may verify several)."""
+        n = self.generated.get(key, 0) + count
         if n > self.expected.get(key, -1):
             raise ConservationError(f"turn {key} generated token {n} of "
                                     f"{self.expected.get(key)} (generated twice / unknown turn)")

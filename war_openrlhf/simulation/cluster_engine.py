@@ -276,8 +276,7 @@ class SimEngine:
                     r.credit += self.spec_tokens
                     n = max(1, min(int(r.credit), r.resp_len - r.generated))
                     r.credit -= n
-                for _ in range(n):
-                    ledger.token(r.key)
+                ledger.tokens(r.key, n)
                 r.generated += n
                 r.computed += n
                 r.queued -= n

@@ -188,3 +188,10 @@ def get_preset(name: str) -> CostModel:
     if model is None:
         raise ValueError(f"preset: unknown cost preset {name!r}; known: {sorted(PRESETS)}")
     return model
+
+
+# GPU presets fitted to published measurements (each constant cited there); the package's
+# __init__ imports this module first, so either import order resolves.
+from .gpu_presets import GPU_PRESETS  # noqa: E402
+
+PRESETS.update(GPU_PRESETS)
