@@ -503,3 +503,17 @@ def test_gpu_baseline_engines_get_the_war_engines_kv_through_openrlhfs_own_call(
     _start_gpu_actors(1, "/m", seed=0, enable_prefix_caching=True, enforce_eager=False, max_model_len=2048,
                       gpu_memory_utilization=0.5, logprobs_mode=None, agent_func_path=None, extra={})
     assert "num_gpu_blocks_override" not in started[0][1] and started[0][1]["gpu_memory_utilization"] == 0.5
+
+
+def test_cost_fit_times_the_engine_a_gpu_serves_not_the_cpu_one():
+    """bench_engine --fit-costs on a GPU node: bf16 with CUDA graphs (what OpenRLHF's engines
+    run), not the CPU engines' float32 eager; prefix caching off on both (known work)."""
+    from war_openrlhf.engine.launch import cost_fit_engine_kwargs
+
+    gpu = cost_fit_engine_kwargs(4096, 0, cuda=True)
+    cpu = cost_fit_engine_kwargs(4096, 0, cuda=False)
+    assert (gpu["dtype"], gpu["enforce_eager"]) == ("bfloat16", False)
+    assert (cpu["dtype"], cpu["enforce_eager"]) == ("float32", True)
+    for kw in (gpu, cpu):
+        assert kw["enable_prefix_caching"] is False and kw["max_model_len"] == 4096
+    assert cost_fit_engine_kwargs(4096, 0, cuda=True, dtype="float16")["dtype"] == "float16"

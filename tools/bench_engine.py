@@ -196,6 +196,15 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
     return rows
 
 
+def _fit_engine_kwargs(max_len, seed):
+    """The measured engine: as it serves on this node (bf16 + CUDA graphs on a GPU, float32
+    eager on CPU; ``WAR_FIT_DTYPE`` overrides the dtype)."""
+    from war_openrlhf.device import cuda_available
+    from war_openrlhf.engine.launch import cost_fit_engine_kwargs
+
+    return cost_fit_engine_kwargs(max_len, seed, cuda=cuda_available(), dtype=os.environ.get("WAR_FIT_DTYPE"))
+
+
 def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
     """Runs of engine steps with known work, on one engine without speculation (what a cost
     model is fitted to): ``b`` fresh prompts of ``c`` tokens each (prefix caching off), each
@@ -208,8 +217,7 @@ def measure_step_costs(model, max_len, repeats, bind="0", seed=0):
     from vllm import LLM, SamplingParams
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind  # as the rollout's engines: one core each
-    llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
-              enable_prefix_caching=False, disable_log_stats=False)
+    llm = LLM(model=str(model), **_fit_engine_kwargs(max_len, seed))
     try:
         cfg = llm.llm_engine.vllm_config
         chunk = int(cfg.scheduler_config.max_num_batched_tokens)
@@ -292,8 +300,7 @@ def measure_spec_costs(model, max_len, repeats, bind="0", seed=0, k=8):
     from war_openrlhf.simulation.fit import SpecRun, StepRun
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    llm = LLM(model=str(model), enforce_eager=True, dtype="float32", max_model_len=max_len, seed=seed,
-              enable_prefix_caching=False, disable_log_stats=False,
+    llm = LLM(model=str(model), **_fit_engine_kwargs(max_len, seed),
               speculative_config={"method": "suffix", "num_speculative_tokens": k})
     try:
         chunk = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)

@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--engines", type=int, default=8, help="rollout engines (default 8)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV-cache tokens per engine (default: the cost model's)")
     cost = ap.add_mutually_exclusive_group()
-    cost.add_argument("--preset", default=None, help="cost preset (default h100_qwen7b: analytic, unvalidated)")
+    cost.add_argument("--preset", default=None, help="cost preset (default h100_qwen7b: analytic, unvalidated; "
+                           "h100_qwen7b_published / a100_qwen7b_published: fitted to published "
+                           "measurements, docs/cost_presets.md)")
     cost.add_argument("--cost-model", type=Path, default=None,
                       help="a cost model fitted on your node (tools/bench_engine.py --fit-costs)")
     ap.add_argument("--tool-latency", type=float, default=None, metavar="S",

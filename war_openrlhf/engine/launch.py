@@ -104,6 +104,16 @@ def vllm_engine_kwargs(cfg: Any, *, cuda: bool, openrlhf_worker: bool = False) -
     return kwargs
 
 
+def cost_fit_engine_kwargs(max_len: int, seed: int, *, cuda: bool, dtype: str | None = None) -> dict[str, Any]:
+    """The engine ``tools/bench_engine.py --fit-costs`` times: on CUDA what the rollout serves
+    (the trainer's ``bfloat16`` as OpenRLHF hands vLLM, CUDA graphs on: OpenRLHF's
+    ``enforce_eager`` default is off), on CPU what the CPU engines run (``float32``, eager).
+    A fit of a float32 eager engine on a GPU would price a step several times what serving
+    pays. Prefix caching is off: the fit needs steps whose work is known."""
+    return dict(dtype=dtype or ("bfloat16" if cuda else "float32"), enforce_eager=not cuda,
+                max_model_len=max_len, seed=seed, enable_prefix_caching=False, disable_log_stats=False)
+
+
 def gpu_engine_placement(index: int, tensor_parallel_size: int, *, colocated: bool,
                          bundle_indices: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Ray resources and environment of GPU engine ``index``, as OpenRLHF places its own.
