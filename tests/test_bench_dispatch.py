@@ -40,6 +40,14 @@ def test_suite_runs_keeps_the_json_shape_and_merges(tmp_path):
     assert len(m["runs"]) == 4 and (tmp_path / "m.png").stat().st_size > 0
     ratios = [c["war_over_best_peer"] for c in m["cells"]]
     assert m["summary"]["min_war_over_best_peer"] == min(ratios)
+    # the docs' suite regions render from the merged file: one row per cell, the minimum quoted
+    from war_openrlhf.metrics.docs_renderers import (dispatch_suite_by_source, dispatch_suite_cells,
+                                                     dispatch_suite_targets)
+
+    assert dispatch_suite_cells(m).count("\n") == 2 + len(m["cells"])
+    assert dispatch_suite_by_source(m).count("\n") == 2 + len({(c["cell"]["source"], c["cell"]["engines"])
+                                                              for c in m["cells"]})
+    assert f"{min(ratios):.3f}" in dispatch_suite_targets(m)
 
 
 def _without_timings(x):

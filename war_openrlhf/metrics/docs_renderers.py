@@ -355,6 +355,108 @@ def dispatch_regime_reading(d: dict) -> str:
         f"(war's: {wcp['queue_s']:.1f} s).\n")
 
 
+# ---- the dispatch suite (tools/bench_dispatch.py --suite) ----------------------------
+def _suite_cells(d: dict) -> list:
+    """``(cell summary, run)`` pairs of a suite file, in its matrix order."""
+    if not d.get("suite") or len(d.get("cells", ())) != len(d.get("runs", ())):
+        raise ValueError("not a complete --suite result (cells and runs differ)")
+    return list(zip(d["cells"], d["runs"]))
+
+
+def _geomean(xs) -> float:
+    import math
+
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+@renderer("dispatch_suite_by_source")
+def dispatch_suite_by_source(d: dict) -> str:
+    """Per workload and engine count: war / best peer over the cells (pressures x tool speeds),
+    how many cells have room (ceiling >= 1.2x least_loaded) and how many of those war takes
+    to 1.1x the best peer, and which peer was best how often."""
+    from collections import Counter
+
+    groups: dict = {}
+    for c, _ in _suite_cells(d):
+        groups.setdefault((c["cell"]["source"], c["cell"]["engines"]), []).append(c)
+    rows = []
+    for (src, e), cs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        ratios = [c["war_over_best_peer"] for c in cs]
+        roomy = [c for c in cs if c["ceiling_x_least_loaded"] >= 1.2]
+        peers = Counter(c["best_peer"] for c in cs).most_common()
+        rows.append([src, str(e), str(len(cs)), num(min(ratios), ".3f"), num(_geomean(ratios), ".3f"),
+                     num(max(ratios), ".3f"), f"{sum(r >= 0.98 for r in ratios)}",
+                     f"{sum(c['war_over_best_peer'] >= 1.1 for c in roomy)} of {len(roomy)}",
+                     num(max(c["ceiling_x_least_loaded"] for c in cs), ".2f"),
+                     ", ".join(f"{p} {n}" for p, n in peers)])
+    return md_table(["workload", "engines", "cells", "min war / best peer", "geomean", "max", "cells >= 0.98",
+                     ">= 1.1x where ceiling >= 1.2", "max ceiling x LL", "best peer (cells)"],
+                    ["l", "r", "r", "r", "r", "r", "r", "r", "r", "l"], rows)
+
+
+@renderer("dispatch_suite_cells")
+def dispatch_suite_cells(d: dict) -> str:
+    """Every cell: its regime, the ceiling, war and the best peer against least_loaded, and how
+    long each cell's slowest policy took to simulate."""
+    rows = []
+    for c, r in _suite_cells(d):
+        w = c["cell"]
+        kv = f"{w['kv_capacity_tokens_per_engine']:,}" + ("*" if w["kv_floored_to_longest_sequence"] else "")
+        wall = max(x.get("sim_wall_s", 0.0) for x in r["results"].values())
+        rows.append([w["source"], str(w["engines"]), f"{w['pressure']:g}", w["tools"], kv,
+                     num(c["ceiling_x_least_loaded"], ".2f"), num(c["war_x_least_loaded"], ".3f"), c["best_peer"],
+                     num(c["best_peer_x_least_loaded"], ".3f"), num(c["war_over_best_peer"], ".3f"),
+                     num(wall, ".0f")])
+    return md_table(["workload", "engines", "pressure", "tools", "KV tokens/engine", "ceiling x LL", "war x LL",
+                     "best peer", "peer x LL", "war / best peer", "slowest policy's simulation s"],
+                    ["l", "r", "r", "l", "r", "r", "r", "l", "r", "r", "r"], rows)
+
+
+@renderer("dispatch_suite_targets")
+def dispatch_suite_targets(d: dict) -> str:
+    """The suite's three targets, met or missed, with the cell behind each minimum (the tool's
+    own summary), and the swe_like cells at 32 engines."""
+    s = d["summary"]
+
+    def where(key: str) -> str:
+        w = s.get(key)
+        return "" if not w else (f" ({w['source']}, {w['engines']} engines, pressure {w['pressure']:g}, "
+                                 f"tools {w['tools']})")
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    t = s["targets"]
+    lines = [
+        f"- min war / best peer >= 0.98: {verdict(t['min war/best peer >= 0.98'])}: "
+        f"{s['min_war_over_best_peer']:.3f}{where('min_war_over_best_peer_cell')}; "
+        f"{s['cells_war_ge_0_98_best_peer']} of {s['cells']} cells reach 0.98 "
+        f"(geometric mean {s['geomean_war_over_best_peer']:.3f}).",
+    ]
+    if s["cells_ceiling_ge_1_2"]:
+        lines.append(
+            f"- war >= 1.1x the best peer where the ceiling is >= 1.2x: "
+            f"{verdict(t['war >= 1.1x best peer where ceiling >= 1.2'])}: "
+            f"{s.get('cells_war_ge_1_1_best_peer_where_ceiling_ge_1_2', 0)} of {s['cells_ceiling_ge_1_2']} cells, "
+            f"minimum {s['min_war_over_best_peer_where_ceiling_ge_1_2']:.3f}"
+            f"{where('min_war_over_best_peer_where_ceiling_ge_1_2_cell')}.")
+    if s["cells_ceiling_ge_1_8"]:
+        lines.append(
+            f"- war >= 1.6x least_loaded where the ceiling is >= 1.8x: "
+            f"{verdict(t['war >= 1.6x least_loaded where ceiling >= 1.8'])}: "
+            f"{s.get('cells_war_ge_1_6_least_loaded_where_ceiling_ge_1_8', 0)} of {s['cells_ceiling_ge_1_8']} cells, "
+            f"minimum {s['min_war_x_least_loaded_where_ceiling_ge_1_8']:.3f}"
+            f"{where('min_war_x_least_loaded_where_ceiling_ge_1_8_cell')}.")
+    swe = [(c, r) for c, r in _suite_cells(d) if c["cell"]["source"] == "gen:swe_like" and c["cell"]["engines"] == 32]
+    if swe:
+        walls = [x["sim_wall_s"] for _, r in swe for x in r["results"].values() if "sim_wall_s" in x]
+        turns = max(c["cell"]["turns"] for c, _ in swe)
+        lines.append(f"- swe_like at 32 engines: {len(swe)} cells run (up to {turns:,} measured turns each); "
+                     f"one policy's simulation of a cell took {min(walls):.0f}-{max(walls):.0f} s "
+                     f"({load_note(d)}).")
+    return "\n".join(lines) + "\n"
+
+
 # ---- sampling correctness (tools/check_spec_sampling.py) ----------------------------
 @renderer("sampling_check")
 def sampling_check(*docs: dict) -> str:
