@@ -71,6 +71,28 @@ def test_suite_in_worker_processes_gives_the_same_cells_in_matrix_order(tmp_path
     assert a["summary"] == b["summary"]
 
 
+def test_suite_from_keeps_a_cell_in_two_files_once_and_refuses_one_that_differs(tmp_path):
+    import gzip
+
+    common = ["--suite", "--sources", "gen:math_tool", "--per-engine", "2", "--suite-pressures", "2",
+              "--suite-engines", "2"]
+    a, b = tmp_path / "a.json.gz", tmp_path / "b.json.gz"
+    _run(*common, "--suite-tools", "fast", "--json", str(a))
+    _run(*common, "--suite-tools", "fast,slow", "--json", str(b))  # a stopped run, completed by another
+    merged = tmp_path / "m.json"
+    out = _run("--suite-from", str(a), str(b), "--json", str(merged))
+    assert "1 cell(s) found in two files" in out
+    m = json.loads(merged.read_text())
+    assert [(r["workload"]["tools"]) for r in m["runs"]] == ["fast", "slow"] and len(m["cells"]) == 2
+    data = json.loads(gzip.open(b, "rt").read())
+    data["runs"][0]["results"]["war"]["makespan_s"] *= 1.01  # not what the simulation gives
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, str(TOOL), "--suite-from", str(a), str(bad), "--json",
+                           str(tmp_path / "o.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "differs between" in proc.stderr
+
+
 def test_suite_from_refuses_a_non_suite_file(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"runs": []}))

@@ -442,18 +442,47 @@ def plot_suite(cells, path, split):
     print(f"wrote {path}")
 
 
+def _cell_key(run) -> tuple:
+    w = run["workload"]
+    return (w["source"], w["engines"], w["pressure"], w["tools"])
+
+
+def _without_timings(x):
+    """A result without its wall-clock fields (what two runs of a deterministic cell share)."""
+    if isinstance(x, dict):
+        return {k: _without_timings(v) for k, v in x.items() if "decision" not in k and "wall" not in k}
+    if isinstance(x, list):
+        return [_without_timings(v) for v in x]
+    return x
+
+
 def merge_suite(args):
-    """Summarise suite JSON files written by earlier runs (e.g. a matrix run in parts)."""
-    runs, heads = [], []
+    """Summarise suite JSON files written by earlier runs (e.g. a matrix run in parts, or a run
+    stopped early and completed by another): a cell in two files is kept once, and only if
+    both hold the same result (the simulation is deterministic), else the merge stops."""
+    from war_openrlhf.metrics import read_json
+
+    runs, heads, seen, dropped = [], [], {}, 0
     for path in args.suite_from:
         try:
-            data = json.loads(Path(path).read_text())
+            data = read_json(path)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"--suite-from: cannot read {path}: {exc}")
-        if not data.get("suite") or "runs" not in data:
+        if not isinstance(data, dict) or not data.get("suite") or "runs" not in data:
             raise SystemExit(f"--suite-from: {path} is not a --suite result (no suite/runs)")
-        runs += data["runs"]
+        for run in data["runs"]:
+            key = _cell_key(run)
+            if key in seen:
+                first, first_path = seen[key]
+                if _without_timings(first) != _without_timings(run):
+                    raise SystemExit(f"--suite-from: cell {key} differs between {first_path} and {path}")
+                dropped += 1
+                continue
+            seen[key] = (run, path)
+            runs.append(run)
         heads.append(data)
+    if dropped:
+        print(f"--suite-from: {dropped} cell(s) found in two files with identical results, kept once")
     splits = {h.get("split") for h in heads}
     if len(splits) != 1:
         raise SystemExit(f"--suite-from: the files mix splits {sorted(map(str, splits))}")
