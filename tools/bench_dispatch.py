@@ -413,11 +413,13 @@ def plot_suite(cells, path, split):
     sources = sorted({c["cell"]["source"] for c, _ in cells})
     marks = {4: "o", 8: "s", 32: "^"}
     for i, src in enumerate(sources):
+        labelled = False
         for e, m in marks.items():
             pts = [c for c, _ in cells if c["cell"]["source"] == src and c["cell"]["engines"] == e]
             if not pts:
                 continue
-            kw = dict(color=f"C{i}", marker=m, s=28, label=src if e == 4 else None)
+            kw = dict(color=f"C{i}", marker=m, s=28, label=None if labelled else src)
+            labelled = True
             axes[0].scatter([c["ceiling_x_least_loaded"] for c in pts],
                             [c["war_over_best_peer"] for c in pts], **kw)
             axes[1].scatter([c["ceiling_x_least_loaded"] for c in pts],
