@@ -51,6 +51,7 @@ def test_suite_runs_keeps_the_json_shape_and_merges(tmp_path):
 
 
 def _without_timings(x):
+    """The test's own notion of "the same result" (not the tool's, which it checks)."""
     if isinstance(x, dict):
         return {k: _without_timings(v) for k, v in x.items() if "decision" not in k and "wall" not in k}
     if isinstance(x, list):

@@ -75,21 +75,25 @@ def test_determinism_same_seed():
 
 def test_ledger_catches_broken_accounting():
     led = Ledger({("a", 0): 2, ("a", 1): 1}, {"a": 2})
-    led.token(("a", 0))
+    led.tokens(("a", 0), 1)
     with pytest.raises(ConservationError, match="finished with 1 of 2"):
         led.turn_finished(("a", 0))  # finished early: a token lost
     led2 = Ledger({("a", 0): 1}, {"a": 1})
-    led2.token(("a", 0))
+    led2.tokens(("a", 0), 1)
     with pytest.raises(ConservationError, match="generated twice"):
-        led2.token(("a", 0))  # a token generated twice
+        led2.tokens(("a", 0), 1)  # a token generated twice
     led3 = Ledger({("a", 0): 1, ("b", 0): 1}, {"a": 1, "b": 1})
-    led3.token(("a", 0))
+    led3.tokens(("a", 0), 1)
     led3.turn_finished(("a", 0))
     led3.trajectory_finished("a")
     with pytest.raises(ConservationError, match="0 of 1"):
         led3.verify()  # trajectory b never ran
     with pytest.raises(ConservationError, match="still queued"):
         led3.verify(outstanding_requests=1)
+    led4 = Ledger({("a", 0): 3}, {"a": 1})
+    led4.tokens(("a", 0), 2)  # a decode step that verified a draft token
+    with pytest.raises(ConservationError, match="generated token 4 of 3"):
+        led4.tokens(("a", 0), 2)  # a step that would overshoot the turn
     with pytest.raises(ConservationError, match="pinned"):
         led3.verify(pinned_blocks=3)
     with pytest.raises(ConservationError, match="finished twice"):

@@ -840,3 +840,30 @@ def test_the_survival_history_is_the_last_batches_and_bounded():
         small._live[f"s{j}"].turns = j
         small.on_trajectory_finished(f"s{j}")
     assert small._finished_turns == list(range(13, 20)) and small._finished_sum == sum(range(13, 20))
+
+
+@settings(max_examples=60, deadline=None)
+@given(turns=st.lists(st.integers(1, 30), min_size=1, max_size=40), growth=st.floats(0.0, 5000.0),
+       k=st.integers(0, 40), own=st.floats(0.0, 1e5),
+       live=st.lists(st.tuples(st.integers(0, 40), st.floats(0.0, 1e5)), max_size=6))
+def test_admission_prices_a_candidate_exactly_as_the_batch_projection(turns, growth, k, own, live):
+    """peak_need with a candidate (its one-trajectory curve, the engine's cached peak) is the
+    batch arithmetic of ``_curve`` over the engine's trajectories plus the candidate, bit for bit."""
+    pol = make_policy("war", 2)
+    pol._finished_turns = list(turns)
+    pol._growth_sum, pol._growth_count = growth, 1
+    surv = pol._survival()
+    m1, v1 = pol._one_curve(k, own)
+    m2, v2 = pol._curve([k], [own])
+    assert np.array_equal(m1, m2) and np.array_equal(v1, v2)
+    ks, owns = [x[0] for x in live], [x[1] for x in live]
+    mean, var = pol._curve(ks, owns)
+    pol._curves[0] = (mean, var, pol._peak(mean, var))
+    assert pol.peak_need(0) == pol._peak(mean, var)
+    assert pol.peak_need(0, (k, own)) == pol._peak(mean + m2, var + v2)
+    # a projection cached before the survival curve grew: padded as before (edge / zeros)
+    short = (mean[:1], var[:1], pol._peak(mean[:1], var[:1]))
+    pol._curves[0] = short
+    n = len(surv)
+    want = pol._peak(np.pad(mean[:1], (0, n - 1), mode="edge") + m2, np.pad(var[:1], (0, n - 1), mode="edge") + v2)
+    assert pol.peak_need(0, (k, own)) == want

@@ -31,9 +31,6 @@ class Ledger:
         self.finished_turns: Dict[Tuple[str, int], int] = {}
         self.finished_trajectories: Dict[str, int] = {}
 
-    def token(self, key: Tuple[str, int]) -> None:
-        self.tokens(key, 1)
-
     def tokens(self, key: Tuple[str, int], count: int) -> None:
         """``count`` more tokens of turn ``key`` (one decode step may verify several)."""
         n = self.generated.get(key, 0) + count
