@@ -4,8 +4,8 @@
   Block i's hash chains the parent's: ``h_i = P * h_{i-1} + content(block_i) mod 2**64`` with a
   fixed root seed, as vLLM's ``hash_block_tokens(parent_hash, block_tokens)``: equal hashes mean
   equal prefixes (up to hash collisions). ``content`` is vectorised over the new blocks with
-  numpy (per-position odd 64-bit multipliers, summed mod 2**64, then a splitmix64 finaliser);
-  the linear chain step is vectorised too (see :func:`chain_hashes`).
+  numpy (each block's 8 token-pair words times odd 64-bit multipliers, summed mod 2**64, then
+  a splitmix64 round); the linear chain step is vectorised too (see :func:`chain_hashes`).
 * :class:`TrajectoryChain` keeps a trajectory's chain and extends it from the last full block
   when the context grows (append-only, as agent contexts are). The check that a context extends
   what was hashed is O(1): it compares the last full block and the partial tail (plus the
@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+import struct
+from operator import mul
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional
 
@@ -32,38 +34,48 @@ BLOCK_SIZE = 16
 ROOT_HASH = 0x5EED_0F_CAC4E  # chain seed ("NONE_HASH")
 
 _rng = np.random.default_rng(20240607)
-_MULT = (_rng.integers(1, 2 ** 63, size=BLOCK_SIZE, dtype=np.uint64) * np.uint64(2)
+# A block of 16 int32 tokens is read as 8 uint64 words (token pairs; a bijection, no copy).
+_WORDS = BLOCK_SIZE // 2
+_MULT = (_rng.integers(1, 2 ** 63, size=_WORDS, dtype=np.uint64) * np.uint64(2)
          + np.uint64(1))  # odd multipliers
-_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_C2 = np.uint64(0x94D049BB133111EB)
+_MULT_LIST = [int(m) for m in _MULT]
+_C1 = 0xBF58476D1CE4E5B9  # splitmix64's multiplier
+_S31 = np.uint64(31)
+
+
+def _block_words(tokens: np.ndarray, nfull: int) -> np.ndarray:
+    """The first ``nfull`` blocks of ``tokens`` as an (nfull, 8) uint64 view (a copy only when
+    ``tokens`` is not contiguous int32)."""
+    t = np.ascontiguousarray(tokens[:nfull * BLOCK_SIZE], dtype=np.int32)
+    return t.view(np.uint64).reshape(nfull, _WORDS)
 
 
 def _content_hashes(blocks: np.ndarray) -> np.ndarray:
-    """uint64 content hash of each row of an (n, BLOCK_SIZE) token array."""
-    x = blocks.astype(np.uint64) @ _MULT  # sum of products mod 2**64, one call
-    x ^= x >> np.uint64(30)
-    x *= _C1
-    x ^= x >> np.uint64(27)
-    x *= _C2
-    x ^= x >> np.uint64(31)
+    """uint64 content hash of each row of an (n, BLOCK_SIZE) token array, as
+    :func:`chain_hashes` computes it (kept for the reference test)."""
+    x = _block_words(np.asarray(blocks, dtype=np.int32).reshape(-1), len(blocks)) @ _MULT
+    x ^= x >> _S31
+    x *= np.uint64(_C1)
     return x
 
 
 _P = 0x9E3779B97F4A7C15  # odd, so invertible mod 2**64
 _P_INV = pow(_P, -1, 1 << 64)
 _MASK64 = (1 << 64) - 1
-_pow_cache = {"p": np.ones(0, dtype=np.uint64), "pinv": np.ones(0, dtype=np.uint64)}
+_pow_cache = {"p": np.ones(0, dtype=np.uint64), "pinv_c1": np.ones(0, dtype=np.uint64)}
 
 
 def _powers(m: int):
-    """P**k and P**-k (mod 2**64) for k in [0, m), cached and grown by doubling."""
+    """``P**k`` and ``C1 * P**-k`` (mod 2**64) for k in [0, m), cached and grown by doubling
+    (the content hash's last multiply folded into the chain's)."""
     if len(_pow_cache["p"]) < m:
         size = max(m, 2 * len(_pow_cache["p"]), 1024)
-        for key, base in (("p", _P), ("pinv", _P_INV)):
+        for key, base in (("p", _P), ("pinv_c1", _P_INV)):
             arr = np.full(size, base, dtype=np.uint64)
             arr[0] = 1
             _pow_cache[key] = np.cumprod(arr, dtype=np.uint64)
-    return _pow_cache["p"], _pow_cache["pinv"]
+        _pow_cache["pinv_c1"] *= np.uint64(_C1)
+    return _pow_cache["p"], _pow_cache["pinv_c1"]
 
 
 def chain_hashes(tokens: np.ndarray, parent: int = ROOT_HASH) -> List[int]:
@@ -72,18 +84,22 @@ def chain_hashes(tokens: np.ndarray, parent: int = ROOT_HASH) -> List[int]:
     ``h_i = P * h_{i-1} + content(block_i)  (mod 2**64)`` with ``h_{-1} = parent``: each hash
     is a function of its parent's hash and its own block, like vLLM's chain, but the recurrence
     is linear so a run of new blocks is hashed without a Python loop:
-    ``h_k = P**k * (P * parent + sum_{j<=k} c_j * P**-j)``. The contents ``c_j`` are
-    splitmix-finalised 64-bit values, so accidental collisions are ~2**-64 per pair.
+    ``h_k = P**k * (P * parent + sum_{j<=k} c_j * P**-j)``. ``c_j`` is the block's 8 token-pair
+    words times odd 64-bit multipliers, summed, then one xor-shift-multiply round of splitmix64
+    (so the chain is not linear in the tokens); accidental collisions are ~2**-64 per pair.
+    Eight numpy calls for any number of blocks: this runs on every dispatch decision.
     """
     nfull = len(tokens) // BLOCK_SIZE
     if nfull == 0:
         return []
-    c = _content_hashes(np.asarray(tokens[:nfull * BLOCK_SIZE]).reshape(nfull, BLOCK_SIZE))
-    pw, pinv = _powers(nfull)
-    t = np.cumsum(c * pinv[:nfull], dtype=np.uint64)
-    t += np.uint64((_P * parent) & _MASK64)
-    t *= pw[:nfull]
-    return t.tolist()
+    c = _block_words(tokens, nfull) @ _MULT
+    c ^= c >> _S31
+    pw, pinv_c1 = _powers(nfull)
+    c *= pinv_c1[:nfull]
+    np.add.accumulate(c, out=c)
+    c += np.uint64((_P * parent) & _MASK64)
+    c *= pw[:nfull]
+    return c.tolist()
 
 
 def whole_blocks(tokens: int, block_size: int) -> int:
@@ -102,56 +118,80 @@ def coarse_chain(chain: List[int], block_size: int) -> List[int]:
 
 
 class TrajectoryChain:
-    """A trajectory's block-hash chain, extended incrementally as its context grows."""
+    """A trajectory's block-hash chain, extended incrementally as its context grows.
 
-    __slots__ = ("hashes", "n_tokens", "_tail", "_check", "engine", "rehashes", "hint")
+    Tokens may be taken without hashing them (``hash_blocks=False``): they wait in the tail
+    until the next hashing extend or :meth:`flush`. A dispatcher uses this for a returning
+    turn's new tokens (the tool's output), which no engine can hold unless one holds the block
+    after the hashed chain (:meth:`next_hash`, one block hashed in Python): the match is exact
+    without them, and they are hashed once with the response when the turn finishes.
+    """
+
+    __slots__ = ("hashes", "n_tokens", "_tail", "_last", "_check", "engine", "rehashes", "hint")
 
     def __init__(self) -> None:
         self.hashes: List[int] = []
         self.n_tokens = 0  # tokens consumed: len(hashes) * BLOCK_SIZE + len(tail)
-        self._tail = np.zeros(0, dtype=np.int32)
-        self._check = b""  # bytes of the last full block + tail (consistency check)
+        self._tail = np.zeros(0, dtype=np.int32)  # tokens after the last hashed block
+        self._last = b""  # bytes of the last hashed block
+        self._check = b""  # _last + the tail's bytes (the append-only check)
         self.engine: Optional[int] = None  # engine the trajectory last ran on
         self.rehashes = 0  # full rehashes (context not an append-only extension)
         self.hint: Dict[int, int] = {}  # engine -> matched blocks last seen (a guess to verify)
 
-    def extend(self, new_tokens: np.ndarray) -> None:
-        new_tokens = np.asarray(new_tokens, dtype=np.int32)
-        if len(new_tokens) == 0:
-            return
-        buf = np.concatenate([self._tail, new_tokens]) if len(self._tail) else new_tokens
-        nfull = len(buf) // BLOCK_SIZE
-        if nfull:
-            parent = self.hashes[-1] if self.hashes else ROOT_HASH
-            self.hashes.extend(chain_hashes(buf[:nfull * BLOCK_SIZE], parent))
-            last_block = buf[(nfull - 1) * BLOCK_SIZE:nfull * BLOCK_SIZE]
-        else:
-            last_block = None
-        self._tail = buf[nfull * BLOCK_SIZE:].copy()
-        self.n_tokens += len(new_tokens)
-        if last_block is None:
-            hb = len(self.hashes) * BLOCK_SIZE
-            last_bytes = self._check[:BLOCK_SIZE * 4] if hb else b""
-        else:
-            last_bytes = last_block.tobytes()
-        self._check = last_bytes + self._tail.tobytes()
+    @property
+    def unhashed_blocks(self) -> int:
+        """Full blocks taken but not yet hashed."""
+        return len(self._tail) // BLOCK_SIZE
 
-    def sync(self, context: np.ndarray) -> None:
-        """Make the chain cover ``context``: extend if append-only, else rehash from scratch."""
-        context = np.asarray(context, dtype=np.int32)
-        n = len(context)
-        hb = len(self.hashes) * BLOCK_SIZE
-        start = max(hb - BLOCK_SIZE, 0)
-        if n >= self.n_tokens and context[start:self.n_tokens].tobytes() == self._check:
-            self.extend(context[self.n_tokens:])
+    def extend(self, new_tokens: np.ndarray, hash_blocks: bool = True) -> None:
+        new = np.asarray(new_tokens, dtype=np.int32)
+        tail = self._tail
+        if len(new) == 0 and (not hash_blocks or len(tail) < BLOCK_SIZE):
             return
+        buf = (np.concatenate((tail, new)) if len(new) else tail) if len(tail) else new
+        cut = len(buf) // BLOCK_SIZE * BLOCK_SIZE if hash_blocks else 0
+        if cut:
+            hashes = self.hashes
+            hashes.extend(chain_hashes(buf[:cut], hashes[-1] if hashes else ROOT_HASH))
+            self._last = buf[cut - BLOCK_SIZE:cut].tobytes()
+            buf = buf[cut:]
+        self._tail = buf.copy() if buf is new or cut else buf
+        self._check = self._last + self._tail.tobytes()
+        self.n_tokens += len(new)
+
+    def flush(self) -> None:
+        """Hash every full block waiting in the tail."""
+        self.extend(self._tail[:0])
+
+    def next_hash(self) -> Optional[int]:
+        """The hash the next block will have (the first unhashed full block), computed in
+        Python without numpy's per-call costs; None when the tail holds no full block."""
+        if len(self._tail) < BLOCK_SIZE:
+            return None
+        words = struct.unpack("<8Q", self._tail[:BLOCK_SIZE].tobytes())
+        x = sum(map(mul, words, _MULT_LIST)) & _MASK64
+        x ^= x >> 31
+        parent = self.hashes[-1] if self.hashes else ROOT_HASH
+        return (_P * parent + _C1 * x) & _MASK64
+
+    def sync(self, context: np.ndarray, hash_blocks: bool = True) -> None:
+        """Make the chain cover ``context``: extend if append-only, else rehash from scratch.
+        ``hash_blocks=False`` leaves the new tokens unhashed in the tail (see the class)."""
+        context = np.asarray(context, dtype=np.int32)
+        done = self.n_tokens
+        if len(context) >= done:
+            start = len(self.hashes) * BLOCK_SIZE - BLOCK_SIZE
+            if context[start if start > 0 else 0:done].tobytes() == self._check:
+                self.extend(context[done:], hash_blocks)
+                return
         self.hashes = []
         self.n_tokens = 0
         self._tail = np.zeros(0, dtype=np.int32)
-        self._check = b""
+        self._last = self._check = b""
         self.rehashes += 1
         self.hint = {}
-        self.extend(context)
+        self.extend(context, hash_blocks)
 
 
 class BlockHashIndex:

@@ -297,15 +297,13 @@ class WarDispatchPolicy(DispatchPolicy):
         rem = self._remaining
         return float(rem[k]) if k < len(rem) else 1.0
 
-    def _rates(self, engines: Sequence[EngineState]):
+    def _rates(self, reported: Optional[tuple] = None):
         """(prefill s/token, step s, step s per sequence): the engines' own measurements
-        (mean over those that report them), else the fit of turn latencies."""
-        got = [e for e in engines if e.step_s > 0 or e.step_per_seq_s > 0]
-        if got:
-            k = len(got)
-            self._engine_rates = (sum(e.prefill_token_s for e in got) / k,
-                                  sum(e.step_s for e in got) / k,
-                                  sum(e.step_per_seq_s for e in got) / k)
+        (``reported``: their sums and count, from :meth:`_note_engines`; the mean over those
+        that report them), else the fit of turn latencies."""
+        if reported is not None:
+            pf, st, ps, k = reported
+            self._engine_rates = (pf / k, st / k, ps / k)
             return self._engine_rates
         return self.costs.rates()
 
@@ -453,7 +451,7 @@ class WarDispatchPolicy(DispatchPolicy):
 
     # ---- DispatchPolicy --------------------------------------------------------------------
     def choose(self, request: TurnRequest, engines: Sequence[EngineState]) -> int:
-        healthy, mask = self._note_engines(engines)
+        healthy, mask, reported = self._note_engines(engines)
         tid = request.trajectory_id
         traj = self.trajectories.get(tid)
         is_new = traj is None
@@ -465,7 +463,11 @@ class WarDispatchPolicy(DispatchPolicy):
                 self.siblings.running(tid, request.group_id, 0)
         cur = traj.engine
         ctx = request.context_token_ids
-        traj.sync(ctx)
+        # A returning turn's new tokens stay unhashed unless an engine holds the block after
+        # the hashed chain: without that no engine holds any of them, and the match is exact.
+        traj.sync(ctx, hash_blocks=is_new)
+        if traj.unhashed_blocks and self.index.holders.get(traj.next_hash(), 0) & mask:
+            traj.flush()
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
         matched = self.index.match_all(traj.hashes, mask, traj.hint)
@@ -476,15 +478,15 @@ class WarDispatchPolicy(DispatchPolicy):
                   for eid, blocks in matched.items() if blocks}
 
         k = rec.turns if rec is not None else 0
-        p, scores = self._scores(healthy, n, k, cached)
+        p, scores, best = self._scores(healthy, n, k, cached, reported)
         if self.admission and sum(self.live) > 0:
-            over_all = self._charge_evictions(scores, healthy, cur, k, n if rec is None else rec.tokens, p,
-                                              cached)
+            over_all, best = self._charge_evictions(scores, best, healthy, cur, k,
+                                                    n if rec is None else rec.tokens, p, cached)
             if over_all and is_new and self.deferral_pays():
                 self.deferrals += 1
                 return DEFER
         self.last_scores = scores
-        chosen = self._pick(scores, healthy, cur)
+        chosen = self._pick(scores, healthy, cur, best)
         if is_new:
             self._start_trajectory(tid, traj, chosen, n, cached.get(chosen, 0), request.arrival_s)
         elif rec is not None:
@@ -493,14 +495,17 @@ class WarDispatchPolicy(DispatchPolicy):
         return chosen
 
     def _note_engines(self, engines: Sequence[EngineState]) -> tuple:
-        """``(healthy engines, their bitmask)``, noting block sizes and, when they come from
-        the engines' reports, KV capacities: one pass over the engines (the base class's
-        checks: an id out of range or no healthy engine raise)."""
+        """``(healthy engines, their bitmask, their reported rates)``, noting block sizes and,
+        when they come from the engines' reports, KV capacities: one pass over the engines (the
+        base class's checks: an id out of range or no healthy engine raise). The rates are the
+        sums of the reported step regressions and how many engines report one (None if none)."""
         mask = 0
         bsz = self.block_sizes
         n = self.num_engines
         healthy = []
         reported = self.reported_capacity if self._caps_from_snapshot else None  # unset: never equal
+        pf = st = ps = 0.0
+        k = 0
         for e in engines:
             if not e.healthy:
                 continue
@@ -513,15 +518,21 @@ class WarDispatchPolicy(DispatchPolicy):
             if reported is not None and reported[eid] != e.kv_capacity_tokens:
                 reported[eid] = e.kv_capacity_tokens
                 self._set_capacity(eid)
+            if e.step_s > 0 or e.step_per_seq_s > 0:
+                pf += e.prefill_token_s
+                st += e.step_s
+                ps += e.step_per_seq_s
+                k += 1
         if not healthy:
             self._healthy(engines)  # raises the base class's error naming the engines
-        return healthy, mask
+        return healthy, mask, ((pf, st, ps, k) if k else None)
 
-    def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached: Dict[int, int]) -> tuple:
-        """``(p, scores)``: the prefill rate used, and each engine's cost in seconds of taking
+    def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached: Dict[int, int],
+                reported: Optional[tuple] = None) -> tuple:
+        """``(p, scores, best)``: the prefill rate used, each engine's cost in seconds of taking
         this turn (``n`` context tokens, ``k`` turns done): its own wait, prefill and expected
-        decode, and what it adds to the requests already there."""
-        p, s0, s1 = self._rates(healthy)
+        decode, and what it adds to the requests already there; and the first cheapest engine."""
+        p, s0, s1 = self._rates(reported)
         if p <= 0.0 or s1 <= 0.0:  # a degenerate fit: the prior's ratios to the step time
             p = p if p > 0.0 else s0 * _PRIOR_PREFILL
             s1 = s1 if s1 > 0.0 else s0 * _PRIOR_PER_SEQ
@@ -532,32 +543,40 @@ class WarDispatchPolicy(DispatchPolicy):
         rs1 = r * s1 * self.remaining_turns(k)
         scores: Dict[int, float] = {}
         cached_on = cached.get
+        best, low = -1, math.inf
         for e in healthy:
             eid = e.engine_id
-            u = n - cached_on(eid, 0)
+            u = n - cached_on(eid, 0) if cached else n
             run = e.running
-            b = run + e.waiting + e.pending_turns
-            wait = e.waiting * lat / (run + 1) if e.waiting else 0.0
-            short = e.kv_used_tokens + u + r - e.kv_capacity_tokens
-            if short > 0 and e.kv_used_tokens:  # until running requests free that much KV
-                kv_wait = lat * short / e.kv_used_tokens
-                wait = kv_wait if kv_wait > wait else wait
+            queued = e.waiting
+            b = run + queued + e.pending_turns
+            wait = queued * lat / (run + 1) if queued else 0.0
+            used = e.kv_used_tokens
+            if used:
+                short = used + u + r - e.kv_capacity_tokens
+                if short > 0:  # until running requests free that much KV
+                    kv_wait = lat * short / used
+                    wait = kv_wait if kv_wait > wait else wait
             # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored
-            scores[eid] = w * wait + p * u * (w + run) + rs1 * (w * (b + 1) + b)
-        return p, scores
+            sc = scores[eid] = w * wait + p * u * (w + run) + rs1 * (w * (b + 1) + b)
+            if sc < low:
+                best, low = eid, sc
+        if best < 0:  # every score infinite or NaN: min()'s choice, the first
+            best = next(iter(scores))
+        return p, scores, best
 
-    def _charge_evictions(self, scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int],
-                          k: int, size: int, p: float, cached: Dict[int, int]) -> bool:
-        """Add the eviction harm to ``scores`` in place; True when every engine it was checked
-        on would overflow (then deferring a new trajectory may pay).
+    def _charge_evictions(self, scores: Dict[int, float], best: int, healthy: Sequence[EngineState],
+                          cur: Optional[int], k: int, size: int, p: float, cached: Dict[int, int]) -> tuple:
+        """Add the eviction harm to ``scores`` in place (``best``: the first cheapest engine
+        before it). Returns ``(over_all, best)``: True when every engine it was checked on would
+        overflow (then deferring a new trajectory may pay), and the first cheapest engine after.
 
         Tokens pushed past an engine's budget are evicted from parked trajectories and
         recomputed every round this trajectory lives there. Checked in order of the other
         costs, only while it could change the choice: when the cheapest engine overflows
         nothing (the trajectory's own engine never does), no other is checked."""
-        best = min(scores, key=scores.get)
         if best == cur or self.overflow(best, k, size - cached.get(best, 0)) <= 0:
-            return False
+            return False, best
         rem = self.remaining_turns(k)
         run_of = {e.engine_id: e.running for e in healthy}
         clean_best = math.inf
@@ -574,17 +593,21 @@ class WarDispatchPolicy(DispatchPolicy):
             else:
                 over_all = False
                 clean_best = min(clean_best, scores[eid])
-        return over_all
+        return over_all, min(scores, key=scores.get)
 
     @staticmethod
-    def _pick(scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int]) -> int:
-        """The cheapest engine; the trajectory's own on a tie, else the one with fewer
-        requests, then the lower id."""
-        best = min(scores.values())
-        if cur is not None and scores.get(cur) == best:
+    def _pick(scores: Dict[int, float], healthy: Sequence[EngineState], cur: Optional[int],
+              best: int) -> int:
+        """The cheapest engine (``best``: the first of them); the trajectory's own on a tie,
+        else the one with fewer requests, then the lower id."""
+        low = scores[best]
+        if cur is not None and scores.get(cur) == low:
             return cur
+        ties = [eid for eid, sc in scores.items() if sc == low]
+        if len(ties) == 1:
+            return best
         load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in healthy}
-        return min((eid for eid, sc in scores.items() if sc == best), key=lambda eid: (load[eid], eid))
+        return min(ties, key=lambda eid: (load[eid], eid))
 
     def _start_trajectory(self, tid: str, traj: TrajectoryChain, chosen: int, n: int, cached: int,
                           arrival_s: Optional[float]) -> None:
@@ -633,8 +656,8 @@ class WarDispatchPolicy(DispatchPolicy):
         traj = self.trajectories.get(tid)
         if traj is None:  # finished turn never dispatched through us: adopt it
             traj = self.trajectories[tid] = TrajectoryChain()
-        traj.sync(request.context_token_ids)
-        traj.extend(np.asarray(response_token_ids, dtype=np.int32))
+        traj.sync(request.context_token_ids, hash_blocks=False)
+        traj.extend(np.asarray(response_token_ids, dtype=np.int32))  # hashes both in one call
         traj.engine = engine_id
         rec = self._live.get(tid)
         if rec is None:
