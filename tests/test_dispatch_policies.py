@@ -459,6 +459,70 @@ def test_incremental_chain_equals_full_rehash(base, chunks):
         assert tc.hashes == chain_hashes(ctx2[:-5]) and tc.rehashes == 2
 
 
+def _reference_chain(tokens, parent=None):
+    """The chain hash written out per block, as block_index's docstring defines it: a block's 16
+    int32 tokens read as 8 little-endian uint64 words (token pairs), their sum with the odd
+    multipliers mod 2**64, one xor-shift round, then ``h = P * parent + C1 * x``."""
+    from war_openrlhf.dispatch import block_index as bi
+    h = bi.ROOT_HASH if parent is None else parent
+    mask = (1 << 64) - 1
+    out = []
+    u32 = [int(t) & 0xFFFFFFFF for t in tokens]
+    for b in range(len(u32) // BLOCK_SIZE):
+        blk = u32[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
+        words = [blk[2 * i] | (blk[2 * i + 1] << 32) for i in range(BLOCK_SIZE // 2)]
+        x = sum(w * int(m) for w, m in zip(words, bi._MULT)) & mask
+        x ^= x >> 31
+        h = (bi._P * h + bi._C1 * x) & mask
+        out.append(h)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), max_size=100),
+       parent=st.integers(0, 2 ** 64 - 1), offset=st.integers(0, 3))
+def test_chain_hashes_equal_the_per_block_reference(tokens, parent, offset):
+    """The vectorised chain (token-pair views, folded powers) against a per-block loop of
+    Python integers, from any parent, on an array that does not start at an 8-byte boundary."""
+    backing = np.zeros(len(tokens) + offset, dtype=np.int32)
+    backing[offset:] = tokens
+    arr = backing[offset:]
+    assert chain_hashes(arr, parent) == _reference_chain(tokens, parent)
+    assert chain_hashes(arr) == _reference_chain(tokens)
+    strided = np.repeat(np.asarray(tokens, dtype=np.int32), 2)[::2]  # not contiguous
+    assert chain_hashes(strided) == _reference_chain(tokens)
+
+
+@settings(max_examples=80, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["sync", "sync_lazy", "extend", "extend_lazy",
+                                                  "flush"]), seq_strategy), min_size=1, max_size=8))
+def test_lazy_chain_hashes_what_it_took_and_predicts_the_next_block(steps):
+    """Any mix of hashing and non-hashing syncs and extends: the hashed part is the chain of the
+    context's first blocks, the tail holds the rest, ``next_hash`` is the next block's hash, and
+    a flush leaves exactly the full chain."""
+    tc = TrajectoryChain()
+    ctx = np.zeros(0, dtype=np.int32)
+    for op, chunk in steps:
+        ctx = toks(ctx, chunk)
+        if op == "flush":
+            tc.sync(ctx, hash_blocks=False)
+            tc.flush()
+        elif op.startswith("sync"):
+            tc.sync(ctx, hash_blocks=op == "sync")
+        else:
+            tc.extend(np.asarray(chunk, dtype=np.int32), hash_blocks=op == "extend")
+        full = chain_hashes(ctx)
+        nb = len(tc.hashes)
+        assert tc.hashes == full[:nb] and tc.n_tokens == len(ctx)
+        assert tc.unhashed_blocks == len(full) - nb
+        if op in ("sync", "extend", "flush"):
+            assert nb == len(full)
+        assert tc.next_hash() == (full[nb] if nb < len(full) else None)
+    assert tc.rehashes == 0
+    tc.flush()
+    assert tc.hashes == chain_hashes(ctx)
+
+
 def _lcp(a, b):
     n = min(len(a), len(b))
     neq = np.flatnonzero(a[:n] != b[:n])

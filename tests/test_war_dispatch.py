@@ -75,6 +75,41 @@ def test_scores_are_the_documented_cost_formula(run, data):
     assert got == min((k for k, v in ref.items() if v == best), key=lambda k: (load[k], k))
 
 
+@pytest.mark.parametrize("sibling_holds_the_tool_output", [True, False])
+def test_a_returning_turn_matches_exactly_with_its_new_tokens_unhashed(sibling_holds_the_tool_output):
+    """choose() leaves a returning turn's new tokens unhashed unless an engine holds the block
+    after the hashed chain. A sibling with the same context and the same tool output finished
+    on engine 1: engine 1 holds the new tokens too, and the scores must price it as the whole
+    context cached (what a fresh, fully hashed chain says) -- not only the part hashed before."""
+    pol = make_policy("war", 3, admission=False)
+    base = np.arange(5000, 5000 + 800, dtype=np.int32)
+    resp = np.arange(100, 400, dtype=np.int32)
+    tool = np.arange(9000, 9000 + 700, dtype=np.int32)
+    sts = states([2, 1, 3], rates=RATES)
+    assert pol.choose(req("a", base), sts) is not None
+    pol.on_turn_finished(req("a", base), 0, resp)
+    other = tool if sibling_holds_the_tool_output else tool + 1
+    sib = toks(base, resp, other)  # the sibling's second turn, finished on engine 1
+    pol.on_turn_finished(req("b", sib, turn=1), 1, np.arange(7, 37, dtype=np.int32))
+    q = toks(base, resp, tool, [1, 2, 3])  # a's second turn
+    pol.choose(req("a", q, turn=1), sts)
+    n = len(q)
+    cached = {}
+    for e in range(3):
+        held = pol.estimated_cached_tokens(e, q)  # a fresh chain, every block hashed
+        if held:
+            cached[e] = min(held, n - 1) // 16 * 16
+    if sibling_holds_the_tool_output:
+        assert cached[1] == (len(sib) // 16) * 16 > len(toks(base, resp)) + 16
+    else:
+        assert cached[1] < len(toks(base, resp))
+    ref = reference_scores(n, cached, sts, pol.costs.mean_response, pol.costs.mean_latency,
+                           1.0, 1.0, RATES)
+    assert pol.last_scores.keys() == ref.keys()
+    for e in ref:
+        assert pol.last_scores[e] == pytest.approx(ref[e], rel=1e-12), e
+
+
 def test_group_sibling_follows_the_cached_prompt_until_load_outweighs_it():
     pol = make_policy("war", 3, admission=False)
     prompt = np.arange(3000, dtype=np.int32)
