@@ -3,7 +3,8 @@ own policy: tests/test_war_dispatch.py)."""
 
 from __future__ import annotations
 
-from collections import Counter
+import random
+from collections import Counter, OrderedDict
 
 import numpy as np
 import pytest
@@ -549,6 +550,84 @@ def test_block_index_matches_brute_force_prefix(cached, queries):
             assert got.get(e, 0) == brute, (e, got, brute)
 
 
+class _OrderedLru:
+    """The reference the index must equal: per engine one ordered map, every touched chain
+    moved to the most-recent end leaf first, root last; evictions from the least-recent end."""
+
+    def __init__(self, engines, cap):
+        self.od = [OrderedDict() for _ in range(engines)]
+        self.cap = [cap] * engines
+
+    def touch(self, e, chain):
+        for h in reversed(chain):
+            if h in self.od[e]:
+                self.od[e].move_to_end(h)
+            else:
+                self.od[e][h] = None
+        self.evict(e)
+
+    def evict(self, e):
+        while len(self.od[e]) > self.cap[e]:
+            self.od[e].popitem(last=False)
+
+    def remove(self, e, hashes):
+        for h in hashes:
+            self.od[e].pop(h, None)
+
+
+@pytest.mark.parametrize("tree_only", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_block_index_evicts_exactly_as_the_ordered_lru(seed, tree_only):
+    """Random walks of touches of chains from the root (trajectories sharing prompts, touched
+    up to any block), capacity changes, removals of leaves and of inner blocks, runs stored
+    without their root, and clears: after every operation each engine caches exactly the
+    reference's blocks, and the reverse map agrees. ``tree_only``: chains from the root,
+    capacity changes, leaf removals and clears only, so the engines never leave the tree."""
+    rng = random.Random(seed)
+    stems = [np.zeros(48, dtype=np.int32), np.arange(64, dtype=np.int32) % 3]
+    trajs = [chain_hashes(toks(stems[t % 3 % 2], np.full(16 * (2 + t % 5), t + 1), np.arange(t)))
+             for t in range(10)]
+    cap = rng.randint(2, 24)
+    idx = BlockHashIndex(2, [cap, cap])
+    ref = _OrderedLru(2, cap)
+    for _ in range(300):
+        e = rng.randrange(2)
+        chain = trajs[rng.randrange(len(trajs))]
+        lo = rng.randrange(len(chain))
+        hi = rng.randrange(lo, len(chain))
+        kind = rng.random()
+        if kind < 0.6:  # a trajectory's context up to some block, from the root
+            idx.touch(e, chain[:hi + 1])
+            ref.touch(e, chain[:hi + 1])
+        elif kind < 0.7:
+            c = rng.randint(1, 30)
+            idx.set_capacity(e, c)
+            ref.cap[e] = c
+            ref.evict(e)
+        elif kind < 0.85:  # blocks removed: the chain's cached leaf, or any run
+            inner = {c[i - 1] for c in trajs for i in range(1, len(c)) if c[i] in ref.od[e]}
+            leaves = [h for h in chain if h in ref.od[e] and h not in inner]
+            run = leaves[-1:] if tree_only or rng.random() < 0.5 else chain[lo:hi + 1]
+            idx.remove(e, run)
+            ref.remove(e, run)
+        elif kind < 0.95 and not tree_only:  # a stored run continuing a parent (KV events)
+            idx.touch(e, chain[lo:hi + 1], from_root=False)
+            ref.touch(e, chain[lo:hi + 1])
+        elif kind >= 0.97:
+            idx.clear(e)
+            ref.od[e].clear()
+        for eng in range(2):
+            assert set(idx.blocks(eng)) == set(ref.od[eng]), (kind, eng)
+            assert idx.cached_blocks(eng) == len(ref.od[eng])
+            if tree_only:
+                assert idx._ordered[eng] is None
+        want = {}
+        for eng in range(2):
+            for h in ref.od[eng]:
+                want[h] = want.get(h, 0) | (1 << eng)
+        assert idx.holders == want
+
+
 def test_block_index_lru_respects_capacity_and_recency():
     idx = BlockHashIndex(2, [10, 10])
     a = chain_hashes(np.full(5 * 16, 1, dtype=np.int32))
@@ -567,8 +646,8 @@ def test_block_index_lru_respects_capacity_and_recency():
     assert idx.cached_blocks(1) == 10 and idx.matched_blocks(1, long) == 10
     # Reverse map consistent with the LRUs.
     for h, mask in idx.holders.items():
-        assert mask and all(((mask >> e) & 1) == (h in idx.lru[e]) for e in range(2))
-    assert all(h in idx.holders for e in range(2) for h in idx.lru[e])
+        assert mask and all(((mask >> e) & 1) == (h in idx.blocks(e)) for e in range(2))
+    assert all(h in idx.holders for e in range(2) for h in idx.blocks(e))
 
 
 @settings(max_examples=30, deadline=None)

@@ -120,7 +120,7 @@ def test_index_corrected_by_events_equals_a_brute_force_set(seed):
             idx.apply_kv_events(e, [("cleared", [])])
             ref[e].clear()
         for eng in range(2):
-            assert set(idx.lru[eng]) == ref[eng]
+            assert set(idx.blocks(eng)) == ref[eng]
             for ch in chains:
                 brute = 0
                 while brute < len(ch) and ch[brute] in ref[eng]:

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import heapq
 import struct
 from operator import mul
 from collections import OrderedDict
@@ -195,7 +196,25 @@ class TrajectoryChain:
 
 
 class BlockHashIndex:
-    """Per-engine LRU of cached block hashes, bounded by each engine's KV capacity."""
+    """Per-engine LRU of cached block hashes, bounded by each engine's KV capacity.
+
+    The LRU order is that of an ordered map in which every touched chain is moved to the
+    most-recent end leaf first, root last (:meth:`touch`), so evictions go to the least recently
+    touched blocks, deepest first. Kept without that O(chain) move per touch: while an engine
+    only sees chains from the root (the dispatchers' own bookkeeping), its blocks form a tree
+    (a block's parent is the block before it) in which a block was last touched when the
+    latest chain through its subtree was; so a touch stamps only the chain's last block and
+    inserts the blocks that are new (found by binary search: the set is prefix-closed), and a
+    heap of the tree's leaves yields the least recent block, which is always a leaf (its
+    parent is at least as recent and shallower). O(new blocks + log chain) per touch instead
+    of O(chain). An engine that gets a chain not from the root (vLLM's KV events: stored runs
+    continuing a parent) or loses a block that still has children switches to the ordered map
+    itself (same order, converted once) until its cache is cleared.
+    """
+
+    # a tree node: [last touch stamp (its subtree's, once its children are gone), live children,
+    # parent hash or None, depth]
+    _T, _KIDS, _PARENT, _DEPTH = 0, 1, 2, 3
 
     def __init__(self, num_engines: int, capacity_blocks: Iterable[int]) -> None:
         caps = [int(c) for c in capacity_blocks]
@@ -206,8 +225,16 @@ class BlockHashIndex:
                 raise ValueError(f"capacity of engine {i} must be >= 0 blocks, got {c}")
         self.num_engines = num_engines
         self.capacity_blocks = caps
-        self.lru: List["OrderedDict[int, None]"] = [OrderedDict() for _ in range(num_engines)]
         self.holders: Dict[int, int] = {}  # block hash -> bitmask of engines caching it
+        self._nodes: List[Dict[int, list]] = [{} for _ in range(num_engines)]
+        self._leaves: List[list] = [[] for _ in range(num_engines)]  # heaps of (stamp, -depth, hash)
+        self._ordered: List[Optional["OrderedDict[int, None]"]] = [None] * num_engines
+        self._clock = 0
+
+    def blocks(self, engine: int):
+        """The hashes ``engine`` caches (a live view: membership and length)."""
+        od = self._ordered[engine]
+        return od if od is not None else self._nodes[engine].keys()
 
     def set_capacity(self, engine: int, capacity_blocks: int) -> None:
         if capacity_blocks < 0:
@@ -215,52 +242,144 @@ class BlockHashIndex:
         self.capacity_blocks[engine] = int(capacity_blocks)
         self._evict(engine)
 
-    def touch(self, engine: int, chain: List[int]) -> None:
-        """The engine now caches ``chain`` (a prefix chain); make it most recently used."""
-        od = self.lru[engine]
-        bit = 1 << engine
-        holders = self.holders
-        for h in reversed(chain):  # leaf first, root last: root ends up most recent
-            if h in od:
-                od.move_to_end(h)
-            else:
-                od[h] = None
+    def touch(self, engine: int, chain: List[int], from_root: bool = True) -> None:
+        """The engine now caches ``chain`` (a prefix chain; ``from_root=False``: a run continuing
+        a block not in it); make it most recently used."""
+        if not chain:
+            return
+        if not from_root and self._ordered[engine] is None:
+            self._to_ordered(engine)
+        od = self._ordered[engine]
+        if od is not None:
+            bit = 1 << engine
+            holders = self.holders
+            for h in reversed(chain):  # leaf first, root last: root ends up most recent
+                if h in od:
+                    od.move_to_end(h)
+                else:
+                    od[h] = None
+                    holders[h] = holders.get(h, 0) | bit
+            self._evict(engine)
+            return
+        nodes = self._nodes[engine]
+        self._clock += 1
+        stamp = self._clock
+        n = len(chain)
+        if chain[-1] in nodes:
+            first_new = n
+        elif chain[0] not in nodes:
+            first_new = 0
+        else:  # chain[lo - 1] cached, chain[hi] not (the set is prefix-closed)
+            lo, hi = 1, n - 1
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if chain[mid] in nodes:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            first_new = lo
+        if first_new < n:
+            bit = 1 << engine
+            holders = self.holders
+            parent = chain[first_new - 1] if first_new else None
+            if parent is not None:
+                nodes[parent][1] += 1
+            for i in range(first_new, n):
+                h = chain[i]
+                nodes[h] = [stamp, 1, parent, i]
                 holders[h] = holders.get(h, 0) | bit
+                parent = h
+        end = nodes[chain[-1]]
+        end[0] = stamp
+        if first_new < n:
+            end[1] = 0
+        if end[1] == 0:
+            heapq.heappush(self._leaves[engine], (stamp, -end[3], chain[-1]))
         self._evict(engine)
 
     def _evict(self, engine: int) -> None:
-        od = self.lru[engine]
         cap = self.capacity_blocks[engine]
-        clear = ~(1 << engine)
-        holders = self.holders
-        while len(od) > cap:
-            h, _ = od.popitem(last=False)
-            m = holders[h] & clear
-            if m:
-                holders[h] = m
-            else:
-                del holders[h]
+        od = self._ordered[engine]
+        if od is not None:
+            while len(od) > cap:
+                h, _ = od.popitem(last=False)
+                self._release(engine, h)
+            return
+        nodes = self._nodes[engine]
+        heap = self._leaves[engine]
+        while len(nodes) > cap:
+            stamp, _, h = heapq.heappop(heap)
+            node = nodes.get(h)
+            if node is None or node[1] or node[0] != stamp:
+                continue  # stale: gone, no longer a leaf, or touched since
+            self._drop_leaf(engine, nodes, h, node)
+        if len(heap) > 2 * len(nodes) + 1024:  # stale entries: rebuild from the leaves
+            heap[:] = [(nd[0], -nd[3], h) for h, nd in nodes.items() if not nd[1]]
+            heapq.heapify(heap)
+
+    def _drop_leaf(self, engine: int, nodes: Dict[int, list], h: int, node: list) -> None:
+        """Remove a leaf of the tree; its parent inherits its stamp (a chain through the leaf
+        went through the parent) and becomes a leaf when it was the last child."""
+        del nodes[h]
+        self._release(engine, h)
+        parent = node[2]
+        pn = nodes.get(parent) if parent is not None else None
+        if pn is not None:
+            pn[1] -= 1
+            if node[0] > pn[0]:
+                pn[0] = node[0]
+            if pn[1] == 0:
+                heapq.heappush(self._leaves[engine], (pn[0], -pn[3], parent))
+
+    def _release(self, engine: int, h: int) -> None:
+        m = self.holders[h] & ~(1 << engine)
+        if m:
+            self.holders[h] = m
+        else:
+            del self.holders[h]
+
+    def _to_ordered(self, engine: int) -> None:
+        """Switch ``engine`` to the ordered map: every block in the order the tree implies
+        (a block's stamp is the latest of its subtree's; deeper first within one stamp)."""
+        nodes = self._nodes[engine]
+        last = {h: nd[0] for h, nd in nodes.items()}
+        for h, nd in sorted(nodes.items(), key=lambda kv: -kv[1][3]):  # deepest first
+            parent = nd[2]
+            if parent is not None and parent in last and last[h] > last[parent]:
+                last[parent] = last[h]
+        order = sorted(nodes, key=lambda h: (last[h], -nodes[h][3]))
+        self._ordered[engine] = OrderedDict.fromkeys(order)
+        self._nodes[engine] = {}
+        self._leaves[engine] = []
 
     def remove(self, engine: int, hashes: Iterable[int]) -> int:
         """The engine evicted these blocks (vLLM's ``BlockRemoved``); returns how many were held."""
-        od = self.lru[engine]
-        clear = ~(1 << engine)
-        holders = self.holders
         n = 0
         for h in hashes:
+            od = self._ordered[engine]
+            if od is None:
+                node = self._nodes[engine].get(h)
+                if node is None:
+                    continue
+                if not node[1]:
+                    self._drop_leaf(engine, self._nodes[engine], h, node)
+                    n += 1
+                    continue
+                self._to_ordered(engine)  # its children stay: no longer a tree from the root
+                od = self._ordered[engine]
             if h in od:
                 del od[h]
+                self._release(engine, h)
                 n += 1
-                m = holders[h] & clear
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
         return n
 
     def clear(self, engine: int) -> None:
         """The engine's prefix cache was emptied (``AllBlocksCleared``)."""
-        self.remove(engine, list(self.lru[engine]))
+        for h in list(self.blocks(engine)):
+            self._release(engine, h)
+        self._nodes[engine] = {}
+        self._leaves[engine] = []
+        self._ordered[engine] = None
 
     def apply_kv_events(self, engine: int, events: Iterable) -> None:
         """Correct the model of ``engine``'s cache with what it reported
@@ -268,7 +387,7 @@ class BlockHashIndex:
         ``cleared``), in order."""
         for kind, hashes in events:
             if kind == "stored":
-                self.touch(engine, list(hashes))
+                self.touch(engine, list(hashes), from_root=False)
             elif kind == "removed":
                 self.remove(engine, hashes)
             elif kind == "cleared":
@@ -277,7 +396,7 @@ class BlockHashIndex:
                 raise ValueError(f"KV event kind {kind!r}: expected stored, removed or cleared")
 
     def cached_blocks(self, engine: int) -> int:
-        return len(self.lru[engine])
+        return len(self.blocks(engine))
 
     def matched_blocks(self, engine: int, chain: List[int]) -> int:
         return self.match_all(chain, 1 << engine).get(engine, 0)

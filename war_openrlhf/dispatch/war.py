@@ -544,6 +544,7 @@ class WarDispatchPolicy(DispatchPolicy):
         scores: Dict[int, float] = {}
         cached_on = cached.get
         best, low = -1, math.inf
+        pn = p * n  # p * u of an engine holding nothing of the context
         for e in healthy:
             eid = e.engine_id
             u = n - cached_on(eid, 0) if cached else n
@@ -557,8 +558,13 @@ class WarDispatchPolicy(DispatchPolicy):
                 if short > 0:  # until running requests free that much KV
                     kv_wait = lat * short / used
                     wait = kv_wait if kv_wait > wait else wait
-            # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored
-            sc = scores[eid] = w * wait + p * u * (w + run) + rs1 * (w * (b + 1) + b)
+            # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored; the same floating-point
+            # operations when wait is 0 (w * 0.0 + x == x) or u is n, fewer of them
+            pu = pn if u == n else p * u
+            if wait:
+                sc = scores[eid] = w * wait + pu * (w + run) + rs1 * (w * (b + 1) + b)
+            else:
+                sc = scores[eid] = pu * (w + run) + rs1 * (w * (b + 1) + b)
             if sc < low:
                 best, low = eid, sc
         if best < 0:  # every score infinite or NaN: min()'s choice, the first
@@ -860,7 +866,7 @@ class WarDispatchPolicy(DispatchPolicy):
                 # what it holds (bounded over a long job): per-trajectory records, block-model
                 # entries, the survival history
                 "state_entries": float(len(self.trajectories) + len(self._live) + len(self._group_of)
-                                       + sum(len(lru) for lru in self.index.lru)),
+                                       + sum(self.index.cached_blocks(e) for e in range(self.num_engines))),
                 "survival_history": float(len(self._finished_turns))}
 
     def estimated_cached_tokens(self, engine_id: int, context: np.ndarray) -> int:
