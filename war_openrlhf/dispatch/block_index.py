@@ -121,21 +121,24 @@ def coarse_chain(chain: List[int], block_size: int) -> List[int]:
 class TrajectoryChain:
     """A trajectory's block-hash chain, extended incrementally as its context grows.
 
-    Tokens may be taken without hashing them (``hash_blocks=False``): they wait in the tail
-    until the next hashing extend or :meth:`flush`. A dispatcher uses this for a returning
-    turn's new tokens (the tool's output), which no engine can hold unless one holds the block
-    after the hashed chain (:meth:`next_hash`, one block hashed in Python): the match is exact
-    without them, and they are hashed once with the response when the turn finishes.
+    Tokens may be taken without hashing them (``hash_blocks=False``): they wait, unhashed and
+    uncopied (views of the caller's arrays, which must not be rewritten in place), until the
+    next hashing extend or :meth:`flush`. A dispatcher uses this for a returning turn's new
+    tokens (the tool's output), which no engine can hold unless one holds the block after the
+    hashed chain (:meth:`next_hash`, one block hashed in Python): the match is exact without
+    them, and they are hashed once with the response when the turn finishes.
     """
 
-    __slots__ = ("hashes", "n_tokens", "_tail", "_last", "_check", "engine", "rehashes", "hint")
+    __slots__ = ("hashes", "n_tokens", "_tail", "_more", "_last", "_check", "engine", "rehashes",
+                 "hint")
 
     def __init__(self) -> None:
         self.hashes: List[int] = []
-        self.n_tokens = 0  # tokens consumed: len(hashes) * BLOCK_SIZE + len(tail)
-        self._tail = np.zeros(0, dtype=np.int32)  # tokens after the last hashed block
+        self.n_tokens = 0  # tokens consumed: len(hashes) * BLOCK_SIZE + the unhashed ones
+        self._tail = np.zeros(0, dtype=np.int32)  # unhashed tokens after the last hashed block
+        self._more: List[np.ndarray] = []  # further unhashed tokens, not yet joined to the tail
         self._last = b""  # bytes of the last hashed block
-        self._check = b""  # _last + the tail's bytes (the append-only check)
+        self._check: Optional[bytes] = b""  # _last + the unhashed bytes (None: to be joined)
         self.engine: Optional[int] = None  # engine the trajectory last ran on
         self.rehashes = 0  # full rehashes (context not an append-only extension)
         self.hint: Dict[int, int] = {}  # engine -> matched blocks last seen (a guess to verify)
@@ -143,15 +146,30 @@ class TrajectoryChain:
     @property
     def unhashed_blocks(self) -> int:
         """Full blocks taken but not yet hashed."""
-        return len(self._tail) // BLOCK_SIZE
+        return (self.n_tokens - len(self.hashes) * BLOCK_SIZE) // BLOCK_SIZE
+
+    def _join(self) -> None:
+        """Join the waiting views into the tail (one copy) and renew the check bytes."""
+        if self._more:
+            self._tail = np.concatenate([self._tail, *self._more])
+            self._more = []
+        self._check = self._last + self._tail.tobytes()
 
     def extend(self, new_tokens: np.ndarray, hash_blocks: bool = True) -> None:
         new = np.asarray(new_tokens, dtype=np.int32)
+        if not hash_blocks:
+            if len(new):
+                self._more.append(new)
+                self._check = None
+                self.n_tokens += len(new)
+            return
+        if self._more:
+            self._join()
         tail = self._tail
-        if len(new) == 0 and (not hash_blocks or len(tail) < BLOCK_SIZE):
+        if len(new) == 0 and len(tail) < BLOCK_SIZE:
             return
         buf = (np.concatenate((tail, new)) if len(new) else tail) if len(tail) else new
-        cut = len(buf) // BLOCK_SIZE * BLOCK_SIZE if hash_blocks else 0
+        cut = len(buf) // BLOCK_SIZE * BLOCK_SIZE
         if cut:
             hashes = self.hashes
             hashes.extend(chain_hashes(buf[:cut], hashes[-1] if hashes else ROOT_HASH))
@@ -167,10 +185,19 @@ class TrajectoryChain:
 
     def next_hash(self) -> Optional[int]:
         """The hash the next block will have (the first unhashed full block), computed in
-        Python without numpy's per-call costs; None when the tail holds no full block."""
-        if len(self._tail) < BLOCK_SIZE:
+        Python without numpy's per-call costs; None when no full block waits."""
+        if self.unhashed_blocks == 0:
             return None
-        words = struct.unpack("<8Q", self._tail[:BLOCK_SIZE].tobytes())
+        tail = self._tail
+        if len(tail) >= BLOCK_SIZE:
+            block = tail[:BLOCK_SIZE].tobytes()
+        else:
+            block = tail.tobytes()
+            for part in self._more:
+                block += part[:BLOCK_SIZE - len(block) // 4].tobytes()
+                if len(block) == BLOCK_SIZE * 4:
+                    break
+        words = struct.unpack("<8Q", block)
         x = sum(map(mul, words, _MULT_LIST)) & _MASK64
         x ^= x >> 31
         parent = self.hashes[-1] if self.hashes else ROOT_HASH
@@ -178,10 +205,12 @@ class TrajectoryChain:
 
     def sync(self, context: np.ndarray, hash_blocks: bool = True) -> None:
         """Make the chain cover ``context``: extend if append-only, else rehash from scratch.
-        ``hash_blocks=False`` leaves the new tokens unhashed in the tail (see the class)."""
+        ``hash_blocks=False`` leaves the new tokens unhashed (see the class)."""
         context = np.asarray(context, dtype=np.int32)
         done = self.n_tokens
         if len(context) >= done:
+            if self._check is None:
+                self._join()
             start = len(self.hashes) * BLOCK_SIZE - BLOCK_SIZE
             if context[start if start > 0 else 0:done].tobytes() == self._check:
                 self.extend(context[done:], hash_blocks)
@@ -189,6 +218,7 @@ class TrajectoryChain:
         self.hashes = []
         self.n_tokens = 0
         self._tail = np.zeros(0, dtype=np.int32)
+        self._more = []
         self._last = self._check = b""
         self.rehashes += 1
         self.hint = {}
@@ -394,6 +424,19 @@ class BlockHashIndex:
                 self.clear(engine)
             else:
                 raise ValueError(f"KV event kind {kind!r}: expected stored, removed or cleared")
+
+    def may_extend(self, h: int, mask: int) -> bool:
+        """Could an engine in ``mask`` hold a block after block ``h``? False only when every
+        such engine holding ``h`` holds it as a leaf of its tree (no block continues it there),
+        so a caller can skip hashing what would follow ``h``."""
+        held = self.holders.get(h, 0) & mask
+        while held:
+            low = held & -held
+            e = low.bit_length() - 1
+            if self._ordered[e] is not None or self._nodes[e][h][1]:
+                return True
+            held ^= low
+        return False
 
     def cached_blocks(self, engine: int) -> int:
         return len(self.blocks(engine))

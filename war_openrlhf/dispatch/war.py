@@ -466,16 +466,24 @@ class WarDispatchPolicy(DispatchPolicy):
         # A returning turn's new tokens stay unhashed unless an engine holds the block after
         # the hashed chain: without that no engine holds any of them, and the match is exact.
         traj.sync(ctx, hash_blocks=is_new)
-        if traj.unhashed_blocks and self.index.holders.get(traj.next_hash(), 0) & mask:
-            traj.flush()
+        if traj.unhashed_blocks:
+            index = self.index
+            hashes = traj.hashes
+            if ((not hashes or index.may_extend(hashes[-1], mask))
+                    and index.holders.get(traj.next_hash(), 0) & mask):
+                traj.flush()
         n = len(ctx)
         max_cached = n - 1 if n > 0 else 0
         matched = self.index.match_all(traj.hashes, mask, traj.hint)
         traj.hint = matched
         bsz = self.block_sizes
-        # tokens each engine would reuse (engines absent hold nothing of this context)
-        cached = {eid: whole_blocks(min(blocks * BLOCK_SIZE, max_cached), bsz[eid])
-                  for eid, blocks in matched.items() if blocks}
+        # tokens each engine would reuse, whole blocks of its own (engines absent hold nothing)
+        cached = {}
+        for eid, blocks in matched.items():
+            if blocks:
+                t = blocks * BLOCK_SIZE
+                t = t if t < max_cached else max_cached
+                cached[eid] = t // bsz[eid] * bsz[eid]
 
         k = rec.turns if rec is not None else 0
         p, scores, best = self._scores(healthy, n, k, cached, reported)
