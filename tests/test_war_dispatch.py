@@ -75,6 +75,55 @@ def test_scores_are_the_documented_cost_formula(run, data):
     assert got == min((k for k, v in ref.items() if v == best), key=lambda k: (load[k], k))
 
 
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_a_returning_turn_goes_where_every_engine_priced_says(data):
+    """Engines not holding the context are priced only when they could be the cheapest; the
+    choice must still be the argmin of every engine's documented cost (own engine on a tie,
+    then fewer requests, then the lower id), with loads drawn from a small range so that ties
+    and near ties are common, the trajectory's engine anywhere in the list, others holding
+    parts of the context, and some engines unhealthy."""
+    E = data.draw(st.integers(2, 9))
+    run = data.draw(st.lists(st.integers(0, 3), min_size=E, max_size=E))
+    waiting = data.draw(st.lists(st.sampled_from([0, 0, 1]), min_size=E, max_size=E))
+    pending = data.draw(st.lists(st.integers(0, 2), min_size=E, max_size=E))
+    own = data.draw(st.integers(0, E - 1))
+    healthy = data.draw(st.lists(st.booleans(), min_size=E, max_size=E))
+    healthy[own] = healthy[own] or data.draw(st.booleans())
+    if not any(healthy):
+        healthy[own] = True
+    prefix = data.draw(st.sampled_from([0, 16, 160]))  # tokens of the context the others hold
+    pol = make_policy("war", E, admission=False)
+    ctx = np.arange(3000, 3000 + 320, dtype=np.int32)
+    warm = states([0] * E, rates=RATES)
+    eng = pol.choose(req("t", ctx), warm)
+    pol.on_turn_finished(req("t", ctx), own, np.arange(5, 45, dtype=np.int32))
+    if prefix:
+        for e in range(E):
+            if e != own and data.draw(st.booleans()):
+                pol.on_turn_finished(req(f"o{e}", ctx[:prefix]), e, np.zeros(0, dtype=np.int32))
+    q = toks(ctx, np.arange(5, 45), np.arange(700, 760))
+    sts = states(run, waiting, pending, rates=RATES, healthy=healthy)
+    got = pol.choose(req("t", q, turn=1), sts)
+    live = [e for e in sts if e.healthy]
+    cached = {}
+    for e in live:
+        held = pol.estimated_cached_tokens(e.engine_id, q)
+        if held:
+            cached[e.engine_id] = min(held, len(q) - 1) // 16 * 16
+    ref = reference_scores(len(q), cached, live, pol.costs.mean_response, pol.costs.mean_latency,
+                           1.0, 1.0, RATES)
+    assert list(pol.last_scores) == [e.engine_id for e in live]
+    for e in ref:
+        assert pol.last_scores[e] == pytest.approx(ref[e], rel=1e-12)
+    every = pol.last_scores  # every engine priced, as the implementation rounds
+    low = min(every.values())
+    load = {e.engine_id: e.running + e.waiting + e.pending_turns for e in live}
+    tied = [e for e, v in every.items() if v == low]
+    want = own if own in tied and healthy[own] else min(tied, key=lambda e: (load[e], e))
+    assert eng is not None and got == want
+
+
 @pytest.mark.parametrize("sibling_holds_the_tool_output", [True, False])
 def test_a_returning_turn_matches_exactly_with_its_new_tokens_unhashed(sibling_holds_the_tool_output):
     """choose() leaves a returning turn's new tokens unhashed unless an engine holds the block

@@ -116,13 +116,16 @@ _PRIOR_PER_SEQ = PRIOR_RATES[2] / PRIOR_RATES[1]  # until the first snapshot tel
 
 class _Live:
     """What WAR tracks of a live trajectory; its engine, turns done and tokens are its row of
-    the policy's :class:`~.live_table.LiveTable` (read by the footprint projection)."""
+    the policy's :class:`~.live_table.LiveTable` (read by the footprint projection), mirrored
+    here as Python ints for the per-turn reads."""
 
-    __slots__ = ("_table", "row", "expect_hit", "arrival", "finish", "last_n")
+    __slots__ = ("_table", "row", "expect_hit", "arrival", "finish", "last_n", "_engine", "_turns",
+                 "_tokens")
 
     def __init__(self, table: LiveTable, engine: int, n: int, arrival: Optional[float]) -> None:
         self._table = table
         self.row = table.add(engine, 0, n)  # turns finished: 0; tokens: context + responses so far
+        self._engine, self._turns, self._tokens = int(engine), 0, int(n)
         self.expect_hit = 0       # own prefix its engine should still hold at this turn
         self.arrival = arrival    # clock time its current turn became ready
         self.finish = None        # clock time its last turn finished
@@ -130,27 +133,30 @@ class _Live:
 
     @property
     def engine(self) -> int:
-        return int(self._table.engine[self.row])
+        return self._engine
 
     @engine.setter
     def engine(self, value: int) -> None:
         self._table.engine[self.row] = value
+        self._engine = int(self._table.engine[self.row])
 
     @property
     def turns(self) -> int:
-        return int(self._table.turns[self.row])
+        return self._turns
 
     @turns.setter
     def turns(self, value: int) -> None:
         self._table.turns[self.row] = value
+        self._turns = int(self._table.turns[self.row])
 
     @property
     def tokens(self) -> int:
-        return int(self._table.tokens[self.row])
+        return self._tokens
 
     @tokens.setter
     def tokens(self, value: int) -> None:
         self._table.tokens[self.row] = value
+        self._tokens = int(self._table.tokens[self.row])
 
 
 @dataclass(frozen=True)
@@ -234,7 +240,8 @@ class WarDispatchPolicy(DispatchPolicy):
         self.trajectories: Dict[str, TrajectoryChain] = {}
         self.costs = TurnCosts()
         self._engine_rates: Optional[tuple] = None
-        self.last_scores: Dict[int, float] = {}
+        self._last_scores: Dict[int, float] = {}
+        self._unpriced: tuple = ((), None, ())  # engines the last decision did not price
         self.moves = 0
         self.deferrals = 0
         self.last_fluid: dict = {}
@@ -486,14 +493,16 @@ class WarDispatchPolicy(DispatchPolicy):
                 cached[eid] = t // bsz[eid] * bsz[eid]
 
         k = rec.turns if rec is not None else 0
-        p, scores, best = self._scores(healthy, n, k, cached, reported)
-        if self.admission and sum(self.live) > 0:
-            over_all, best = self._charge_evictions(scores, best, healthy, cur, k,
-                                                    n if rec is None else rec.tokens, p, cached)
-            if over_all and is_new and self.deferral_pays():
-                self.deferrals += 1
-                return DEFER
-        self.last_scores = scores
+        p, scores, best, unpriced = self._scores(healthy, n, k, cached, reported, cur)
+        self._last_scores, self._unpriced = scores, unpriced
+        if self.admission and best != cur and sum(self.live) > 0:
+            size = n if rec is None else rec.tokens
+            if self.overflow(best, k, size - cached.get(best, 0)) > 0:  # it could change the choice
+                scores = self.last_scores  # every engine priced, in the engines' order
+                over_all, best = self._charge_evictions(scores, healthy, cur, k, size, p, cached)
+                if over_all and is_new and self.deferral_pays():
+                    self.deferrals += 1
+                    return DEFER
         chosen = self._pick(scores, healthy, cur, best)
         if is_new:
             self._start_trajectory(tid, traj, chosen, n, cached.get(chosen, 0), request.arrival_s)
@@ -536,61 +545,101 @@ class WarDispatchPolicy(DispatchPolicy):
         return healthy, mask, ((pf, st, ps, k) if k else None)
 
     def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached: Dict[int, int],
-                reported: Optional[tuple] = None) -> tuple:
-        """``(p, scores, best)``: the prefill rate used, each engine's cost in seconds of taking
-        this turn (``n`` context tokens, ``k`` turns done): its own wait, prefill and expected
-        decode, and what it adds to the requests already there; and the first cheapest engine."""
+                reported: Optional[tuple] = None, cur: Optional[int] = None) -> tuple:
+        """``(p, scores, best, unpriced)``: the prefill rate used, each engine's cost in seconds of
+        taking this turn (``n`` context tokens, ``k`` turns done): its own wait, prefill and
+        expected decode, and what it adds to the requests already there; the first cheapest
+        engine (in ``healthy``'s order); and what the engines not priced need to be.
+
+        The engines holding part of the context and the trajectory's own are priced first; an
+        engine holding none of it costs at least ``p * n * (w + running)`` (every other term is
+        >= 0, and rounding is monotone), so one whose bound exceeds the cheapest so far cannot be
+        chosen, nor tie, and is priced only when every score is wanted (:attr:`last_scores`,
+        the eviction check).
+        """
         p, s0, s1 = self._rates(reported)
         if p <= 0.0 or s1 <= 0.0:  # a degenerate fit: the prior's ratios to the step time
             p = p if p > 0.0 else s0 * _PRIOR_PREFILL
             s1 = s1 if s1 > 0.0 else s0 * _PRIOR_PER_SEQ
         s1 = s1 if s1 > p else p  # a decoded token is at least one token's forward pass
-        r = self.costs.mean_response
-        lat = self.costs.mean_latency
         w = 1.0 + self._progress(k)
-        rs1 = r * s1 * self.remaining_turns(k)
+        terms = (n, p, p * n, w, self.costs.mean_response * s1 * self.remaining_turns(k),
+                 self.costs.mean_response, self.costs.mean_latency)
+        price = self._price
         scores: Dict[int, float] = {}
-        cached_on = cached.get
-        best, low = -1, math.inf
-        pn = p * n  # p * u of an engine holding nothing of the context
-        for e in healthy:
+        best, low, first = -1, math.inf, len(healthy)
+        nh = len(healthy)
+        for eid in (*cached, cur) if cur is not None and cur not in cached else cached:
+            i = eid if eid < nh and healthy[eid].engine_id == eid else next(
+                (j for j, e in enumerate(healthy) if e.engine_id == eid), None)
+            if i is None:  # the trajectory's engine is not healthy
+                continue
+            sc = scores[eid] = price(healthy[i], n - cached.get(eid, 0), terms)
+            if sc < low or (sc == low and i < first):
+                best, low, first = eid, sc, i
+        pn_w = terms[2]
+        unpriced = []
+        for i, e in enumerate(healthy):
             eid = e.engine_id
-            u = n - cached_on(eid, 0) if cached else n
-            run = e.running
-            queued = e.waiting
-            b = run + queued + e.pending_turns
-            wait = queued * lat / (run + 1) if queued else 0.0
-            used = e.kv_used_tokens
-            if used:
-                short = used + u + r - e.kv_capacity_tokens
-                if short > 0:  # until running requests free that much KV
-                    kv_wait = lat * short / used
-                    wait = kv_wait if kv_wait > wait else wait
-            # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored; the same floating-point
-            # operations when wait is 0 (w * 0.0 + x == x) or u is n, fewer of them
-            pu = pn if u == n else p * u
-            if wait:
-                sc = scores[eid] = w * wait + pu * (w + run) + rs1 * (w * (b + 1) + b)
-            else:
-                sc = scores[eid] = pu * (w + run) + rs1 * (w * (b + 1) + b)
-            if sc < low:
-                best, low = eid, sc
+            if eid in scores:
+                continue
+            if pn_w * (w + e.running) > low:  # its prefill alone costs more than the cheapest
+                unpriced.append(e)
+                continue
+            sc = scores[eid] = price(e, n, terms)
+            if sc < low or (sc == low and i < first):
+                best, low, first = eid, sc, i
         if best < 0:  # every score infinite or NaN: min()'s choice, the first
-            best = next(iter(scores))
-        return p, scores, best
+            best = healthy[0].engine_id
+        return p, scores, best, (unpriced, terms, healthy)
 
-    def _charge_evictions(self, scores: Dict[int, float], best: int, healthy: Sequence[EngineState],
+    @staticmethod
+    def _price(e: EngineState, u: int, terms: tuple) -> float:
+        """One engine's cost of the turn (``u`` tokens to prefill), ``terms`` from :meth:`_scores`."""
+        n, p, pn, w, rs1, r, lat = terms
+        run = e.running
+        queued = e.waiting
+        b = run + queued + e.pending_turns
+        wait = queued * lat / (run + 1) if queued else 0.0
+        used = e.kv_used_tokens
+        if used:
+            short = used + u + r - e.kv_capacity_tokens
+            if short > 0:  # until running requests free that much KV
+                kv_wait = lat * short / used
+                wait = kv_wait if kv_wait > wait else wait
+        # = w * (wait + p*u + rs1*(b+1)) + run*p*u + b*rs1, factored; the same floating-point
+        # operations when wait is 0 (w * 0.0 + x == x) or u is n, fewer of them
+        pu = pn if u == n else p * u
+        if wait:
+            return w * wait + pu * (w + run) + rs1 * (w * (b + 1) + b)
+        return pu * (w + run) + rs1 * (w * (b + 1) + b)
+
+    @property
+    def last_scores(self) -> Dict[int, float]:
+        """Every healthy engine's cost of the last decision's turn, in the engines' order
+        (with the eviction charges, where the eviction check ran)."""
+        unpriced, terms, healthy = self._unpriced
+        scores = self._last_scores
+        if unpriced or list(scores) != [e.engine_id for e in healthy]:
+            price = self._price
+            n = terms[0]
+            for e in unpriced:
+                scores[e.engine_id] = price(e, n, terms)
+            scores = self._last_scores = {e.engine_id: scores[e.engine_id] for e in healthy}
+            self._unpriced = ((), terms, healthy)
+        return scores
+
+    def _charge_evictions(self, scores: Dict[int, float], healthy: Sequence[EngineState],
                           cur: Optional[int], k: int, size: int, p: float, cached: Dict[int, int]) -> tuple:
-        """Add the eviction harm to ``scores`` in place (``best``: the first cheapest engine
-        before it). Returns ``(over_all, best)``: True when every engine it was checked on would
-        overflow (then deferring a new trajectory may pay), and the first cheapest engine after.
+        """Add the eviction harm to ``scores`` (every engine's, in the engines' order) in place,
+        once the cheapest engine was found to overflow. Returns ``(over_all, best)``: True when
+        every engine it was checked on would overflow (then deferring a new trajectory may pay),
+        and the first cheapest engine after.
 
         Tokens pushed past an engine's budget are evicted from parked trajectories and
         recomputed every round this trajectory lives there. Checked in order of the other
         costs, only while it could change the choice: when the cheapest engine overflows
         nothing (the trajectory's own engine never does), no other is checked."""
-        if best == cur or self.overflow(best, k, size - cached.get(best, 0)) <= 0:
-            return False, best
         rem = self.remaining_turns(k)
         run_of = {e.engine_id: e.running for e in healthy}
         clean_best = math.inf
