@@ -14,11 +14,13 @@
   detected -- comparing the whole context would cost O(context) per turn.
 * :class:`BlockHashIndex` keeps per engine an LRU of block hashes bounded by
   ``kv_capacity_tokens // 16`` blocks, plus a reverse map hash -> bitmask of engines. A touched
-  chain is moved to the MRU end leaf-first, root-last (vLLM frees a request's blocks in reverse
+  chain becomes most recent leaf-first, root-last (vLLM frees a request's blocks in reverse
   order so that leaves are evicted first); hence an ancestor is always at least as recent as
   any descendant, every engine's cached set is prefix-closed, and the longest cached prefix is
   found by binary search -- for all engines at once by splitting the engine bitmask
-  (O(k log n) lookups for k distinct match lengths over a chain of n blocks).
+  (O(k log n) lookups for k distinct match lengths over a chain of n blocks). The order is
+  kept as a tree of chains with a heap of its leaves, so a touch costs O(new blocks + log n),
+  not O(n) (see the class).
 """
 
 from __future__ import annotations

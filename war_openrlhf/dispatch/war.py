@@ -32,7 +32,10 @@ of this trajectory, all measured)::
   alone), which would make batching free and pile every turn onto one engine; a zero takes
   the cold prior's ratio to the fitted step time instead.
 * The turn goes to ``argmin cost_e``; ties go to the trajectory's engine, then the one with
-  fewer requests, then the lower id.
+  fewer requests, then the lower id. An engine holding none of the context costs at least
+  ``p * n * (w + running_e)``; once a cheaper engine is known it is not priced at all (its
+  cost is computed on demand, for ``last_scores`` and the eviction check): at 32 engines most
+  of a returning turn's candidates are settled by that one bound.
 * ``b_e = running + waiting + pending_turns``: the requests e will batch, counting the
   trajectories parked on a tool whose next turn comes back to e -- they hold the engine as
   surely as the running ones, which is what makes load balance see the step's stragglers.

@@ -277,12 +277,17 @@ def decision_target(d: dict) -> str:
             f"({spread_text(wall)} us wall), {'met' if ok else 'missed'} in these runs, {where}. The policies ran "
             "in turn within each run, so their ratios are less affected than their absolute times.\n"
             f"{_yardstick(d)}"
-            "Its block-hash chain is extended incrementally per turn (never rehashed); the time goes to the\n"
-            "longest-cached-prefix lookup across engines, hashing the new blocks and one cost per engine.\n"
+            "Its block-hash chain grows with each turn: a returning turn's new tokens (the tool's output)\n"
+            "are hashed at the decision only if an engine holding the chain's last block continues it\n"
+            "(otherwise no engine can hold them), and else once, with the response, when the turn\n"
+            "finishes. The time goes to the longest-cached-prefix lookup across engines and to pricing\n"
+            "the engines: those holding the context and the trajectory's own first, then only those whose\n"
+            "prefill alone does not exceed the cheapest so far (the others are priced on demand).\n"
             "Its footprint projections (numpy, per engine, cached until the engine's live set changes)\n"
             "run only when a candidate could beat the trajectory's own engine, so they weigh on p99 and\n"
-            "on first turns under KV pressure, not on the typical turn. `on_turn_finished` (recording a\n"
-            f"finished turn's blocks) costs {spread_text(fin)} us of CPU time at p50, outside the decision.\n")
+            "on first turns under KV pressure, not on the typical turn. `on_turn_finished` (hashing the\n"
+            "turn's new tokens and response, then in the engine's tree of chains the new blocks and the\n"
+            f"chain's last block's stamp) costs {spread_text(fin)} us of CPU time at p50, outside the decision.\n")
 
 
 # ---- one simulated regime (tools/bench_dispatch.py) ---------------------------------
