@@ -84,6 +84,10 @@ class SimEngine:
 
     # -- cache ----------------------------------------------------------------------------
     def match(self, hl: List[int], limit: int) -> int:
+        """Cached blocks at the head of ``hl`` (at most ``limit``), scanned from the root as vLLM's
+        longest-hit search does: the cache is not always prefix-closed (a request that computed
+        blocks another had already published keeps private copies, so a parent can be evicted
+        while a child it never pinned stays), and a gap ends the hit."""
         blocks = self.blocks
         i = 0
         while i < limit and hl[i] in blocks:
@@ -105,15 +109,19 @@ class SimEngine:
         need = -(-(r.ctx_len + r.resp_len) // self.bs)
         new = need - hb
         blocks = self.blocks
-        hit_evictable = sum(1 for h in r.hl[:hb] if blocks[h] == 0)
-        if self.pinned_blocks() + hit_evictable + new > self.cap_blocks:
+        hit = r.hl[:hb]
+        pinned = self.pinned_blocks()
+        # the hit's evictable blocks become pinned too; counted only when the bound says it matters
+        if pinned + hb + new > self.cap_blocks and \
+                pinned + sum(1 for h in hit if blocks[h] == 0) + new > self.cap_blocks:
             return False
-        for h in r.hl[:hb]:
+        evictable = self.evictable
+        for h in hit:
             c = blocks[h]
             if c == 0:
-                del self.evictable[h]
+                del evictable[h]
             blocks[h] = c + 1
-        r.pinned = list(r.hl[:hb])
+        r.pinned = hit
         r.next_block = hb
         while len(blocks) + self.anon + new > self.cap_blocks:
             h, _ = self.evictable.popitem(last=False)
