@@ -292,11 +292,11 @@ def test_peak_need_is_the_peak_of_mean_plus_two_sd_of_a_brute_force_sum(turns, l
 
 
 # ---------------------------------------------------------------- admission
-def _trained_policy(gap_s, caps=6000, engines=2, prompt=100, env=100):
+def _trained_policy(gap_s, caps=6000, engines=2, prompt=100, env=100, **options):
     """A policy that has seen one batch: 8 trajectories per engine of 10 turns, each turn a
     100-token response and ``env`` tool tokens on a ``prompt``-token prompt, tool calls of
     ``gap_s``, and rates RATES."""
-    pol = make_policy("war", engines, kv_capacity_tokens=caps)
+    pol = make_policy("war", engines, kv_capacity_tokens=caps, **options)
     sts = states([0] * engines, rates=RATES, cap=caps)
     pol.start_batch()
     clock = 0.0
@@ -345,6 +345,23 @@ def test_admission_defers_when_the_kv_would_overflow_and_deferring_pays():
     nxt = req(first.trajectory_id, toks(first.context_token_ids, np.arange(100), np.arange(1000)),
               turn=1, arrival=1.0)
     assert pol.choose(nxt, sts) == got[i]
+
+
+def test_admission_defers_only_past_the_margin():
+    """The fluid model's two estimates decide with ``defer_margin``: deferral must save more
+    than that share of the admit-all estimate. A margin just below the saving defers, one just
+    above admits; the estimates themselves do not depend on it."""
+    base, _ = _trained_policy(gap_s=0.01, defer_margin=0.0, **LONG)
+    assert base.deferral_pays() is True
+    saving = 1.0 - base.last_fluid["defer_s"] / base.last_fluid["admit_s"]
+    assert 0.0 < saving < 1.0
+    below, _ = _trained_policy(gap_s=0.01, defer_margin=saving * 0.99, **LONG)
+    above, _ = _trained_policy(gap_s=0.01, defer_margin=min(saving * 1.01, 0.999), **LONG)
+    assert below.deferral_pays() is True and above.deferral_pays() is False
+    assert above.last_fluid == below.last_fluid == base.last_fluid
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="defer_margin"):
+            make_policy("war", 2, defer_margin=bad)
 
 
 def test_admission_admits_past_the_kv_when_tool_calls_dominate():
