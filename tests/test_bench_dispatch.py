@@ -108,3 +108,34 @@ def test_suite_refuses_an_unknown_source_naming_the_known_ones(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0 and "unknown source 'gen:nope'" in proc.stderr
     assert "gen:math_tool" in proc.stderr
+
+
+def _suite(war_s, peer_s, deferrals, commit, cells=(("gen:tau_like", 32, 4.0, "slow"),)):
+    runs, summaries = [], []
+    for (src, e, p, t) in cells:
+        res = {"war": {"makespan_s": war_s, "throughput_tok_s": 1000.0 / war_s, "deferrals": deferrals},
+               "sticky": {"makespan_s": peer_s, "throughput_tok_s": 1000.0 / peer_s, "deferrals": 0},
+               "least_loaded": {"makespan_s": 70.0, "throughput_tok_s": 1000.0 / 70.0, "deferrals": 0}}
+        runs.append({"results": res})
+        summaries.append({"cell": {"source": src, "split": "validation", "engines": e, "pressure": p,
+                                   "tools": t}})
+    return {"suite": True, "cells": summaries, "runs": runs, "git": {"commit": commit}}
+
+
+def test_suite_rerun_renders_war_before_and_after_and_refuses_other_work():
+    """The rerun table pairs cells by regime, shows war's step and ratio before and after, and
+    refuses files whose peers differ (not the same work) or cells the earlier suite lacks."""
+    import pytest
+
+    from war_openrlhf.metrics.docs_renderers import dispatch_suite_rerun, dispatch_suite_rerun_reading
+
+    old = _suite(75.2, 66.3, 8834, "a" * 40)
+    new = _suite(63.0, 66.3, 0, "b" * 40)
+    table = dispatch_suite_rerun(old, new)
+    assert "| gen:tau_like | 32 | 4 | slow | 75.2 | 63.0 | 8,834 | 0 | sticky | 0.882 | 1.052 |" in table
+    text = dispatch_suite_rerun_reading(old, new)
+    assert "min 0.882 before, 1.052 after" in text and "war's changed in 1" in text and "`aaaaaaa`" in text
+    with pytest.raises(ValueError, match="sticky differs"):
+        dispatch_suite_rerun(old, _suite(63.0, 60.0, 0, "b" * 40))
+    with pytest.raises(ValueError, match="not in the earlier suite"):
+        dispatch_suite_rerun(old, _suite(63.0, 66.3, 0, "b" * 40, cells=(("tau", 8, 2.0, "fast"),)))

@@ -417,6 +417,64 @@ def dispatch_suite_cells(d: dict) -> str:
                     ["l", "r", "r", "l", "r", "r", "r", "l", "r", "r", "r"], rows)
 
 
+def _rerun_pairs(old: dict, new: dict) -> list:
+    """``(cell, old run, new run)`` for every cell of ``new`` (a rerun of some of ``old``'s
+    cells at a later commit), matched on the cell's regime; the peers' results must be equal
+    (only war changed), else the files are not a rerun of the same work."""
+    key = lambda w: (w["source"], w["split"], w["engines"], w["pressure"], w["tools"])  # noqa: E731
+    before = {key(c["cell"]): r for c, r in _suite_cells(old)}
+    pairs = []
+    for c, r in _suite_cells(new):
+        k = key(c["cell"])
+        if k not in before:
+            raise ValueError(f"cell {k} of the rerun is not in the earlier suite")
+        o = before[k]
+        for pol, res in r["results"].items():
+            if pol != "war" and res["makespan_s"] != o["results"][pol]["makespan_s"]:
+                raise ValueError(f"cell {k}: {pol} differs between the files, so they did not run "
+                                 "the same work")
+        pairs.append((c, o, r))
+    return pairs
+
+
+def _war_over_best(run: dict) -> tuple:
+    res = run["results"]
+    peer = max((q for q in res if q != "war"), key=lambda q: res[q]["throughput_tok_s"])
+    return res["war"]["throughput_tok_s"] / res[peer]["throughput_tok_s"], peer
+
+
+@renderer("dispatch_suite_rerun")
+def dispatch_suite_rerun(old: dict, new: dict) -> str:
+    """Cells of a suite rerun at a later commit beside the same cells of the earlier file: war
+    before and after (the peers are checked equal)."""
+    rows = []
+    for c, o, r in _rerun_pairs(old, new):
+        w = c["cell"]
+        (b0, _), (b1, peer) = _war_over_best(o), _war_over_best(r)
+        wo, wn = o["results"]["war"], r["results"]["war"]
+        rows.append([w["source"], str(w["engines"]), f"{w['pressure']:g}", w["tools"],
+                     num(wo["makespan_s"], ".1f"), num(wn["makespan_s"], ".1f"), f"{wo['deferrals']:,}",
+                     f"{wn['deferrals']:,}", peer, num(b0, ".3f"), num(b1, ".3f")])
+    return md_table(["workload", "engines", "pressure", "tools", "war step s before", "after",
+                     "war deferrals before", "after", "best peer", "war / best peer before", "after"],
+                    ["l", "r", "r", "l", "r", "r", "r", "r", "l", "r", "r"], rows)
+
+
+@renderer("dispatch_suite_rerun_reading")
+def dispatch_suite_rerun_reading(old: dict, new: dict) -> str:
+    """What the rerun changed: how many cells, the minimum of war / best peer before and after,
+    and the commits of both files."""
+    pairs = _rerun_pairs(old, new)
+    before = [_war_over_best(o)[0] for _, o, _ in pairs]
+    after = [_war_over_best(r)[0] for _, _, r in pairs]
+    changed = sum(1 for _, o, r in pairs if o["results"]["war"]["makespan_s"] != r["results"]["war"]["makespan_s"])
+    commit = lambda d: d.get("git", {}).get("commit", "?")[:7]  # noqa: E731
+    return (f"{len(pairs)} cells of the earlier suite (commit `{commit(old)}`) rerun at commit `{commit(new)}`; "
+            f"the {len(pairs[0][2]['results']) - 1} peers' results are identical in both files, war's changed in {changed}. "
+            f"war / best peer over these cells: min {min(before):.3f} before, {min(after):.3f} after; "
+            f"cells >= 0.98: {sum(x >= 0.98 for x in before)} before, {sum(x >= 0.98 for x in after)} after.\n")
+
+
 @renderer("dispatch_suite_targets")
 def dispatch_suite_targets(d: dict) -> str:
     """The suite's three targets, met or missed, with the cell behind each minimum (the tool's
