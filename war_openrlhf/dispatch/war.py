@@ -347,7 +347,7 @@ class WarDispatchPolicy(DispatchPolicy):
         the model prices rounds by their means, and holding back is the riskier error (a
         held-back straggler starts late and ends the step; on the tuning suite's 32-engine,
         KV pressure 4, slow-tool tau_like cell the estimates were 0.8% apart and deferring
-        made the step 25% longer).
+        made the step about a fifth longer than admitting).
 
         Without the measurements (first batch, no clock) it answers yes: keep the cache."""
         if self._defer_cache is not None:
