@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", choices=("speculative", "plain"), required=True,
                     help="which engines to fit: speculative (WAR's, vLLM's suffix) or plain (OpenRLHF's)")
     ap.add_argument("--engines", type=int, required=True, help="engines each configuration ran at once")
+    ap.add_argument("--model", default=None,
+                    help="the engines' model directory (default: from the records; older records lack it)")
     ap.add_argument("--name", default=None, help="the cost model's name (default: rollout-<kind>)")
     ap.add_argument("--min-steps", type=int, default=3, help="fewest steps in a bin of like work to fit it")
     ap.add_argument("--json", type=Path, required=True)
@@ -53,6 +55,10 @@ def main(argv=None) -> int:
                                           name=args.name or f"rollout-{args.kind}", min_steps=args.min_steps)
     except ValueError as exc:
         raise SystemExit(f"fit_rollout_costs: {exc}")
+    engines_model = args.model or next((e.header.get("model") for run in runs for e in run
+                                        if e.header.get("engine_kind") == args.kind and e.header.get("model")), None)
+    if not engines_model:
+        raise SystemExit("fit_rollout_costs: the records do not name their model; pass --model DIR")
     costs = model.to_dict()
     rows = [{"cost": k, "value": costs[k]} for k in (
         "step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_token_s",
@@ -62,6 +68,7 @@ def main(argv=None) -> int:
           f"base fit's worst bin error {report['base']['max_relative_error']:.1%}"
           + (f", drafting fit's {report['drafting']['max_relative_error']:.1%}" if report["drafting"] else ""))
     out = write_json(args.json, {"benchmark": "engine_step_costs_rollout", "engine_kind": args.kind,
+                                 "model": str(engines_model),
                                  "records": [str(d) for d in args.records], "engines": args.engines,
                                  "cost_model": costs, "fit": report, "wall_s": round(time.time() - t0, 1)})
     print(f"wrote {out}")

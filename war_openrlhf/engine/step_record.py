@@ -126,7 +126,8 @@ def _header(scheduler: Any) -> dict[str, Any]:
     block = int(getattr(scheduler, "block_size", 0) or 0)
     kv_cfg = getattr(scheduler, "kv_cache_config", None)
     blocks = int(getattr(kv_cfg, "num_blocks", 0) or 0)
-    return {"pid": os.getpid(), "host": socket.gethostname(), "clock": "monotonic",
+    model = getattr(getattr(cfg, "model_config", None), "model", None)
+    return {"pid": os.getpid(), "host": socket.gethostname(), "clock": "monotonic", "model": model,
             "engine_kind": "speculative" if spec is not None else "plain",
             "async_scheduling": bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False)),
             "block_size": block, "kv_capacity_tokens": blocks * block,

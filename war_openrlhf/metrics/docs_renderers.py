@@ -1269,22 +1269,30 @@ def simulator_validation_reading(d: dict) -> str:
 
 @renderer("cost_models")
 def cost_models(*docs: dict) -> str:
-    """The fitted machine models side by side: in-process (the engine core alone) and as the
-    rollout's engine actors pay a step (tools/fit_serving_costs.py)."""
+    """The fitted machine models side by side: in-process (the engine core alone), as the
+    rollout's engine actors pay a step (tools/fit_serving_costs.py), and fitted to the steps a
+    rollout ran (tools/fit_rollout_costs.py; its error column is the base fit's worst bin)."""
     rows = []
     for d in docs:
         c = d["cost_model"]
-        serving = d["benchmark"] == "engine_step_costs_serving"
-        rows.append([f"`{d['model'].rstrip('/').rsplit('/', 1)[-1]}`",
-                     ("plain engine actors (OpenRLHF's engines)" if d.get("engine_kind") == "plain"
-                      else "engine actors (rollout)") if serving else "one engine in-process",
+        rollout = d["benchmark"] == "engine_step_costs_rollout"
+        serving = d["benchmark"] == "engine_step_costs_serving" or rollout
+        plain = d.get("engine_kind") == "plain"
+        if rollout:
+            through = f"a rollout's own steps ({'plain engines' if plain else 'drafting engines'})"
+        elif serving:
+            through = "plain engine actors (OpenRLHF's engines)" if plain else "engine actors (rollout)"
+        else:
+            through = "one engine in-process"
+        fit = d["fit"]["base"] if rollout else d["fit"]
+        rows.append([f"`{d['model'].rstrip('/').rsplit('/', 1)[-1]}`", through,
                      f"{1e3 * c['step_overhead_s']:.2f}", f"{1e6 * c['decode_per_seq_s']:.0f}",
                      f"{1e9 * c['kv_read_per_token_s']:.0f}", f"{1e6 * c['prefill_per_token_s']:.1f}",
                      *(["-", "-", "-"] if d.get("engine_kind") == "plain" else  # plain engines never draft
                        [f"{1e3 * c['spec_step_s']:.2f}", f"{1e6 * c['draft_token_s']:.0f}",
                         f"{1e9 * c.get('draft_context_token_s', 0.0):.0f}"]),
                      f"{c.get('contention', 1.0):.2f}" if serving else "-",
-                     f"{100 * d['fit']['max_relative_error']:.0f}%"])
+                     f"{100 * fit['max_relative_error']:.0f}%"])
     return md_table(["model", "measured through", "step ms", "per sequence us", "KV read ns/token",
                      "prefill us/token", "drafting step ms", "draft token us", "draft context ns/token",
                      "contention", "fit's worst run error"],

@@ -131,7 +131,8 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     ``speculative``) that best explains their recorded steps, and a report. ``runs``: per run
     (one host, one recording directory), every engine's
     :class:`~war_openrlhf.engine.step_record.EngineSteps`; ``engines_per_run``: how many engines
-    each configuration ran at once. The limits come from the first matching engine's header."""
+    each configuration ran at once. The limits come from the header of the matching engine
+    that ran the most steps."""
     if kind not in ("plain", "speculative"):
         raise ValueError(f"kind: expected 'plain' or 'speculative', got {kind!r}")
     if engines_per_run < 1:
@@ -142,13 +143,14 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
                          f"({', '.join(str(e.path) for run in runs for e in run) or 'none'})")
     tables = [step_table(run, engines_per_run) for run in runs if run]
     t = {k: np.concatenate([tb[k] for tb in tables]) for k in tables[0]}
-    ok = (t["seconds"] > 0) & (t["seconds"] <= max_period_s) & (t["speculative"] == (kind == "speculative"))
+    mine = t["speculative"] == (kind == "speculative")
+    ok = mine & (t["seconds"] > 0) & (t["seconds"] <= max_period_s)
     base_mask = ok & (t["draft_tokens"] == 0)
     spec_mask = ok & (t["draft_tokens"] > 0)
     if base_mask.sum() < 16:
         raise ValueError(f"engines: {int(base_mask.sum())} steps without drafts in "
                          f"{', '.join(str(e.path) for e in engines)}; need at least 16 to fit the base costs")
-    h = engines[0].header
+    h = max(engines, key=len).header  # the engines that ran most of the steps (a probe engine may differ)
     limits = {"kv_capacity_tokens": int(h["kv_capacity_tokens"]), "max_num_seqs": int(h["max_num_seqs"]),
               "max_num_batched_tokens": int(h["max_num_batched_tokens"]), "block_size": int(h["block_size"])}
     best = None
@@ -176,7 +178,7 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     busy = t["other_busy"][ok]
     return model, {
         "engine_kind": kind, "engines": len(engines), "engines_per_run": engines_per_run, "steps": int(ok.sum()),
-        "steps_dropped": int((~ok).sum()), "drafting_steps": int(spec_mask.sum()),
+        "steps_dropped": int((mine & ~ok).sum()), "drafting_steps": int(spec_mask.sum()),
         "contention": c, "other_busy_mean": round(float(busy.mean()), 4) if len(busy) else 0.0,
         "base": report, "drafting": spec_report,
     }

@@ -1,0 +1,159 @@
+"""Step records (engine/step_record.py) and the machine-model fit to them (simulation/fit_steps.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from war_openrlhf.engine.step_record import FIELDS, EngineSteps, read_step_records
+from war_openrlhf.simulation.cost_model import CostModel
+from war_openrlhf.simulation.fit_steps import fit_rollout_steps, step_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_real_engine_records_each_step_as_the_simulator_counts_it(tmp_path):
+    """Three distinct prompts (100, 200, 300 tokens) decoded 8 tokens each: one prefill step of
+    600 tokens, then 7 decode steps of 3 sequences; every decode step attends the computed
+    context (prompt + tokens so far): 8 * 600 + 3 * (0 + ... + 6) = 4863 context tokens in all."""
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+
+    model = build_tiny_model(ROOT / ".cache" / "war_tiny_llama")
+    script = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, max_model_len=1024, enforce_eager=True, dtype="float32")
+        prompts = [{{"prompt_token_ids": [10 + (7 * i + 13 * k) % 200 for i in range(n)]}}
+                   for k, n in enumerate((100, 200, 300))]
+        out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
+        print("RESULT", json.dumps([len(o.outputs[0].token_ids) for o in out]))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", WAR_STEP_RECORD_DIR=str(tmp_path / "steps"))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT "):]) == [8, 8, 8]
+    (eng,) = read_step_records(tmp_path / "steps")
+    c = eng.columns
+    assert eng.header["engine_kind"] == "plain" and eng.header["block_size"] > 0
+    assert eng.header["kv_capacity_tokens"] >= 1024 and eng.header["max_num_seqs"] > 0
+    assert len(eng) == 8
+    assert c["prefill_tokens"].tolist() == [600] + [0] * 7
+    assert c["decode_seqs"].tolist() == [0] + [3] * 7
+    assert c["context_tokens"].tolist() == [600] + [600 + 3 * k for k in range(7)]
+    assert c["prefill_pairs"][0] == sum(n * n / 2 for n in (100, 200, 300))
+    assert c["draft_tokens"].sum() == 0 and c["requests"].tolist() == [3] * 8
+    assert c["busy_before"].tolist() == [0] + [1] * 7
+    assert (c["t_end"] > c["t_start"]).all() and (np.diff(c["t_end"]) > 0).all()
+
+
+def test_recording_is_off_without_the_variable(monkeypatch):
+    from war_openrlhf.engine import step_record
+
+    monkeypatch.delenv(step_record.ENV, raising=False)
+    assert step_record.install() is False
+
+
+def test_malformed_records_are_named_by_file_and_line(tmp_path):
+    with pytest.raises(ValueError, match="no steps-"):
+        read_step_records(tmp_path)
+    bad = tmp_path / "steps-h-1.csv"
+    bad.write_text("# {}\n" + ",".join(FIELDS) + "\n" + ",".join(["1"] * len(FIELDS)) + "\n1,2\n")
+    with pytest.raises(ValueError, match=r"steps-h-1.csv: line 4: 2 fields"):
+        read_step_records(tmp_path)
+    bad.write_text("# {nope\n" + ",".join(FIELDS) + "\n")
+    with pytest.raises(ValueError, match=r"steps-h-1.csv: line 1: header is not JSON"):
+        read_step_records(tmp_path)
+
+
+_TRUE = CostModel(name="truth", step_overhead_s=2e-3, decode_per_seq_s=80e-6, kv_read_per_token_s=60e-9,
+                  prefill_per_token_s=15e-6, prefill_attn_per_pair_s=1e-10, spec_step_s=0.4e-3,
+                  draft_token_s=30e-6, draft_context_token_s=20e-9, kv_capacity_tokens=65536, max_num_seqs=64,
+                  max_num_batched_tokens=4096, block_size=128)
+
+
+def _work(rng, drafting: bool) -> list[float]:
+    if rng.random() < 0.15:  # a prefill step
+        p = float(rng.integers(200, 4000))
+        done = float(rng.integers(0, 8000))
+        return [0, done + p, p, p * (done + p / 2), 0, 0]
+    b = int(rng.integers(1, 16))
+    ctx = float(b * rng.integers(500, 12000))
+    d = float(b * rng.integers(1, 5)) if drafting and rng.random() < 0.7 else 0.0
+    return [b, ctx, 0, 0.0, d, d * ctx / b]
+
+
+def _cost(w: list[float], model: CostModel) -> float:
+    dec, ctx, pre, pairs, d, dctx = w
+    s = model.step_time(int(dec), ctx, pre, pairs)
+    if d:
+        s += model.spec_step_s + model.draft_token_s * d + model.draft_context_token_s * dctx
+    return s
+
+
+def _synthetic_run(model: CostModel, contention: float, rng, kind: str = "speculative") -> list[EngineSteps]:
+    """Two engines: phases where both step in lockstep (each step stretched by ``contention``)
+    and phases where one steps alone, with idle gaps between phases."""
+    rows = {0: [], 1: []}
+    t = 0.0
+    for phase in range(60):
+        together, solo = phase % 3 == 0, phase % 2
+        t += 0.5  # an idle gap: the next step starts afresh
+        for k in range(int(rng.integers(20, 60))):
+            w = _work(rng, drafting=kind == "speculative")
+            dur = _cost(w, model) * (contention if together else 1.0)
+            for e in ((0, 1) if together else (solo,)):
+                rows[e].append([t, t + dur, 1.0 if k else 0.0, *w, 4.0])
+            t += dur
+    header = {"engine_kind": kind, "kv_capacity_tokens": model.kv_capacity_tokens, "max_num_seqs": model.max_num_seqs,
+              "max_num_batched_tokens": model.max_num_batched_tokens, "block_size": model.block_size}
+    out = []
+    for e in (0, 1):
+        a = np.array(rows[e], dtype=np.float64)
+        cols = {f: a[:, j] for j, f in enumerate(("t_start", "t_end", "busy_before", "decode_seqs", "context_tokens",
+                                                   "prefill_tokens", "prefill_pairs", "draft_tokens",
+                                                   "draft_context_tokens", "requests"))}
+        out.append(EngineSteps(Path(f"steps-{e}.csv"), dict(header), cols))
+    return out
+
+
+def test_the_busy_share_of_the_other_engine_is_exact_on_lockstep_and_solo_phases():
+    run = _synthetic_run(_TRUE, 1.5, np.random.default_rng(0))
+    t = step_table(run, engines_per_run=2)
+    # lockstep steps: the other engine busy all the time; solo steps: never
+    together = np.isin(t["t_start"], run[0].columns["t_start"]) & np.isin(t["t_start"], run[1].columns["t_start"])
+    assert np.allclose(t["other_busy"][together], 1.0) and np.allclose(t["other_busy"][~together], 0.0)
+    assert np.allclose(t["seconds"], t["t_end"] - t["t_start"])
+
+
+@pytest.mark.parametrize("contention", [1.0, 1.4])
+def test_the_fit_recovers_the_costs_and_contention_that_made_the_steps(contention):
+    model, report = fit_rollout_steps([_synthetic_run(_TRUE, contention, np.random.default_rng(1))],
+                                      kind="speculative", engines_per_run=2, name="fit")
+    assert report["drafting_steps"] > 100 and report["drafting"] is not None
+    assert model.contention == pytest.approx(contention, abs=0.021)
+    for f in ("step_overhead_s", "decode_per_seq_s", "kv_read_per_token_s", "prefill_per_token_s",
+              "spec_step_s", "draft_token_s", "draft_context_token_s"):
+        assert getattr(model, f) == pytest.approx(getattr(_TRUE, f), rel=0.1), f
+    assert (model.kv_capacity_tokens, model.block_size) == (65536, 128)
+
+
+def test_the_fit_takes_only_the_engines_of_the_kind_asked_for():
+    rng = np.random.default_rng(2)
+    slow = _TRUE.with_overrides(step_overhead_s=8e-3)
+    run = _synthetic_run(_TRUE, 1.0, rng, kind="plain") + _synthetic_run(slow, 1.0, rng, kind="speculative")
+    plain, _ = fit_rollout_steps([run], kind="plain", engines_per_run=2, name="p")
+    spec, _ = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="s")
+    assert plain.step_overhead_s == pytest.approx(2e-3, rel=0.1)
+    assert spec.step_overhead_s == pytest.approx(8e-3, rel=0.1)
+    with pytest.raises(ValueError, match="no plain engine"):
+        fit_rollout_steps([run[2:]], kind="plain", engines_per_run=2, name="p")
