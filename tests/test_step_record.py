@@ -157,3 +157,13 @@ def test_the_fit_takes_only_the_engines_of_the_kind_asked_for():
     assert spec.step_overhead_s == pytest.approx(8e-3, rel=0.1)
     with pytest.raises(ValueError, match="no plain engine"):
         fit_rollout_steps([run[2:]], kind="plain", engines_per_run=2, name="p")
+
+
+def test_war_train_forwards_the_record_directory_to_every_ray_worker(monkeypatch):
+    from war_openrlhf.cli.train_ppo import _ray_env
+    from war_openrlhf.engine.step_record import ENV
+
+    monkeypatch.setenv(ENV, "/tmp/steps")
+    assert _ray_env()[ENV] == "/tmp/steps"
+    monkeypatch.delenv(ENV)
+    assert ENV not in _ray_env()

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the committed comparison of the simulator with real engines (tools that validate it write it)
-VALIDATION_FILE = ROOT / "benchmarks" / "results" / "simulator" / "validation.json"
+#: the committed comparison of the simulator with real engines (tools that validate it write it):
+#: the latest, whose costs were fitted to the steps of rollouts on other tasks than it checks
+VALIDATION_FILE = ROOT / "benchmarks" / "results" / "simulator_fit" / "validation.json"
 
 
 def validation_note(path: Path = VALIDATION_FILE, cost: str | None = None) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def validation_note(path: Path = VALIDATION_FILE, cost: str | None = None) -> di
             f"{'' if target is None else f'; target {100 * target:.0f}%: ' + ('met' if met else 'missed')})")
     if not covered:
         note += (f"; that check used costs fitted on its own machine ({', '.join(checked) or 'none named'}), "
-                 "not this prediction's: fit yours with tools/fit_serving_costs.py")
+                 "not this prediction's: fit yours to a rollout of your own with tools/fit_rollout_costs.py")
     return {"validated": bool(met and covered), "worst_abs_error": worst, "target_abs_error": target,
             "cost_model_checked": covered, "file": str(path), "note": note}
 
@@ -65,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
                            "h100_qwen7b_published / a100_qwen7b_published: fitted to published "
                            "measurements, docs/cost_presets.md)")
     cost.add_argument("--cost-model", type=Path, default=None,
-                      help="a cost model fitted on your node (tools/bench_engine.py --fit-costs)")
+                      help="a cost model fitted on your node (tools/fit_rollout_costs.py on a rollout's recorded steps, "
+                           "or tools/fit_serving_costs.py)")
     ap.add_argument("--tool-latency", type=float, default=None, metavar="S",
                     help="seconds a tool call takes (default: the traces' recorded latencies, else 1 s)")
     ap.add_argument("--steps", type=int, default=1, help="synchronous steps the trajectories are split into (default 1)")

@@ -158,6 +158,7 @@ def _ray_env() -> dict[str, str]:
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1"),
     }
     for k in ("VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE", "PYTHONPATH", "DS_BUILD_OPS",
+              "WAR_STEP_RECORD_DIR",  # engines record their steps there (tools/fit_rollout_costs.py)
               "TOOL_FEEDBACK_FORMAT", "SQL_QA_DB"):  # the example agents read the last two
         if k in os.environ:
             env[k] = os.environ[k]
