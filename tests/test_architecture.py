@@ -111,6 +111,7 @@ VLLM_INTERNALS = {
     "engine/suffix_cache.py": "WAR's replica behind vLLM's suffix drafter (worker process)",
     "engine/engine.py": "vLLM's engine arguments and configs (AsyncEngineArgs, KVEventsConfig)",
     "engine/kv_events.py": "decodes vLLM's KV-cache event types",
+    "engine/step_record.py": "wraps vLLM's scheduler to record each step (WAR_STEP_RECORD_DIR)",
     "speculation/proposers.py": "vLLM's n-gram matcher, for the benchmarks' ngram drafter",
     "preflight.py": "checks which vLLM platform the node runs",
 }
