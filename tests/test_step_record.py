@@ -167,3 +167,36 @@ def test_war_train_forwards_the_record_directory_to_every_ray_worker(monkeypatch
     assert _ray_env()[ENV] == "/tmp/steps"
     monkeypatch.delenv(ENV)
     assert ENV not in _ray_env()
+
+
+def test_a_busy_step_lasts_from_the_previous_steps_end_and_an_idle_one_from_its_own_start():
+    """While requests remain, the engine loop's own time between two steps (scheduling, inputs)
+    belongs to the next step; after an idle gap only the step's own span counts."""
+    from war_openrlhf.simulation.fit_steps import _periods
+
+    cols = {"t_start": np.array([0.0, 1.3, 5.0, 5.25]), "t_end": np.array([1.0, 2.0, 5.2, 5.5]),
+            "busy_before": np.array([0.0, 1.0, 0.0, 1.0])}
+    assert np.allclose(_periods(cols), [1.0, 1.0, 0.2, 0.3])
+
+
+def test_steps_longer_than_the_bound_are_left_out_of_the_fit():
+    rng = np.random.default_rng(3)
+    run = _synthetic_run(_TRUE, 1.0, rng)
+    clean, _ = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="c")
+    cols = run[0].columns
+    last = max(float(e.columns["t_end"].max()) for e in run)
+    row = {f: v[-1] for f, v in cols.items()}  # the last step's work again, after an idle gap, stalled a minute
+    row.update(t_start=last + 1.0, t_end=last + 61.0, busy_before=0.0)
+    for f in cols:
+        cols[f] = np.append(cols[f], row[f])
+    model, report = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="s")
+    assert report["steps_dropped"] == 1
+    assert model.step_overhead_s == pytest.approx(clean.step_overhead_s, rel=0.05)
+
+
+def test_a_header_without_the_engine_limits_is_named():
+    run = _synthetic_run(_TRUE, 1.0, np.random.default_rng(4))
+    for e in run:
+        del e.header["block_size"]
+    with pytest.raises(ValueError, match=r"steps-\d\.csv: line 1: the header lacks an engine limit"):
+        fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="x")

@@ -17,7 +17,7 @@ context each scheduled request attends, prefill tokens and attention pairs, draf
 the context they attend), the second stamps the step's end and whether requests remained
 (the next step then starts at once, so the time between two step ends is a step's period,
 scheduling and output handling included; with vLLM's async scheduling, where steps overlap,
-that period is what a step costs). Rows go to ``steps-<host>-<pid>.csv`` in that directory,
+that period is what a step costs). Rows go to ``steps-<host>-<pid>-<n>.csv`` in that directory,
 one header line of JSON (engine kind and limits), then one CSV row per step; they are
 written whenever the engine runs out of requests (off the critical path) or every
 ``_FLUSH_ROWS`` steps. Unset, nothing is patched and nothing is paid.
@@ -26,6 +26,7 @@ written whenever the engine runs out of requests (off the critical path) or ever
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import socket
@@ -47,6 +48,7 @@ FIELDS = ("t_start", "t_end", "busy_before", "decode_seqs", "context_tokens", "p
 _FLUSH_ROWS = 1024
 _MARK = "_war_step_record"
 _LOCK = threading.Lock()
+_SERIAL = itertools.count()  # a process with two engine cores writes two files
 
 
 def step_work(scheduler: Any, out: Any) -> tuple[int, int, int, float, int, int, int]:
@@ -79,12 +81,11 @@ class StepRecorder:
     """One engine-core process's rows, buffered and appended to its file."""
 
     def __init__(self, directory: str | os.PathLike, header: dict[str, Any]) -> None:
-        self.path = Path(directory) / f"steps-{socket.gethostname()}-{os.getpid()}.csv"
+        self.path = Path(directory) / f"steps-{socket.gethostname()}-{os.getpid()}-{next(_SERIAL)}.csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[tuple] = []
         self.pending: dict[int, tuple] = {}
         self.busy = False
-        self.written = 0
         with self.path.open("w") as fh:
             fh.write("# " + json.dumps(header) + "\n" + ",".join(FIELDS) + "\n")
         atexit.register(self.flush)
@@ -109,7 +110,6 @@ class StepRecorder:
                 return
             with self.path.open("a") as fh:
                 fh.write("".join(",".join(_fmt(v) for v in r) + "\n" for r in rows))
-            self.written += len(rows)
 
 
 def _fmt(v: Any) -> str:

@@ -65,7 +65,7 @@ def _busy_sum(starts: np.ndarray, ends: np.ndarray, others: Sequence[tuple[np.nd
 
 
 def step_table(engines: Sequence[Any], engines_per_run: int) -> dict[str, np.ndarray]:
-    """Every engine's steps as columns (the record's work, ``seconds``, ``other_busy``, ``engine``,
+    """Every engine's steps as columns (the record's work, ``seconds``, ``other_busy``,
     ``speculative``). ``engines`` are every engine of one host's run (engines of configurations
     that were stopped meanwhile add nothing); ``other_busy`` is the other engines' summed busy
     share of each step over ``engines_per_run - 1`` (at most 1), as the simulator counts them."""
@@ -88,7 +88,6 @@ def step_table(engines: Sequence[Any], engines_per_run: int) -> dict[str, np.nda
         cols = dict(e.columns)
         cols["seconds"] = ends - starts
         cols["other_busy"] = frac
-        cols["engine"] = np.full(len(starts), k, dtype=np.float64)
         cols["speculative"] = np.full(len(starts), e.header.get("engine_kind") == "speculative", dtype=np.float64)
         for name, v in cols.items():
             parts.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
@@ -99,28 +98,31 @@ def _pow2(x: np.ndarray) -> np.ndarray:
     return np.where(x > 0, np.floor(np.log2(np.maximum(x, 1.0))) + 1, 0)
 
 
-def _bins(t: dict[str, np.ndarray], seconds: np.ndarray, mask: np.ndarray, min_steps: int) -> list[StepRun]:
-    keys = np.stack([t["decode_seqs"], _pow2(t["context_tokens"]), _pow2(t["prefill_tokens"]),
-                     _pow2(t["draft_tokens"])], axis=1)[mask]
-    if not len(keys):
+def _groups(t: dict[str, np.ndarray], mask: np.ndarray, min_steps: int) -> list[np.ndarray]:
+    """Indices of the ``mask`` steps in each bin of like work that holds at least ``min_steps``."""
+    idx = np.flatnonzero(mask)
+    if not len(idx):
         return []
-    uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+    keys = np.stack([t["decode_seqs"][idx], _pow2(t["context_tokens"][idx]), _pow2(t["prefill_tokens"][idx]),
+                     _pow2(t["draft_tokens"][idx])], axis=1)
+    _, inv, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
     inv = inv.reshape(-1)
+    order = np.argsort(inv, kind="stable")
+    return [g for g in np.split(idx[order], np.cumsum(counts)[:-1]) if len(g) >= min_steps]
+
+
+def _bins(t: dict[str, np.ndarray], seconds: np.ndarray, groups: list[np.ndarray]) -> list[SpecRun]:
+    """Each group's steps summed into one run of like work (its time from ``seconds``)."""
     runs = []
-    for b in range(len(uniq)):
-        sel = inv == b
-        n = int(sel.sum())
-        if n < min_steps:
-            continue
-
+    for g in groups:
         def s(name: str) -> float:
-            return float(t[name][mask][sel].sum())
+            return float(t[name][g].sum())
 
-        runs.append(SpecRun(StepRun(kind="prefill" if uniq[b][2] > 0 else "decode", steps=float(n),
-                                    decode_seqs=s("decode_seqs"), context_tokens=s("context_tokens"),
-                                    prefill_tokens=s("prefill_tokens"), seconds=float(seconds[mask][sel].sum()),
-                                    prefill_pairs=s("prefill_pairs")),
-                            spec_steps=float((t["draft_tokens"][mask][sel] > 0).sum()),
+        runs.append(SpecRun(StepRun(kind="prefill" if t["prefill_tokens"][g[0]] > 0 else "decode",
+                                    steps=float(len(g)), decode_seqs=s("decode_seqs"),
+                                    context_tokens=s("context_tokens"), prefill_tokens=s("prefill_tokens"),
+                                    seconds=float(seconds[g].sum()), prefill_pairs=s("prefill_pairs")),
+                            spec_steps=float((t["draft_tokens"][g] > 0).sum()),
                             draft_tokens=s("draft_tokens"), draft_context_tokens=s("draft_context_tokens")))
     return runs
 
@@ -150,14 +152,18 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     if base_mask.sum() < 16:
         raise ValueError(f"engines: {int(base_mask.sum())} steps without drafts in "
                          f"{', '.join(str(e.path) for e in engines)}; need at least 16 to fit the base costs")
-    h = max(engines, key=len).header  # the engines that ran most of the steps (a probe engine may differ)
-    limits = {"kv_capacity_tokens": int(h["kv_capacity_tokens"]), "max_num_seqs": int(h["max_num_seqs"]),
-              "max_num_batched_tokens": int(h["max_num_batched_tokens"]), "block_size": int(h["block_size"])}
+    top = max(engines, key=len)  # the engines that ran most of the steps (a probe engine may differ)
+    try:
+        limits = {k: int(top.header[k]) for k in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens",
+                                                   "block_size")}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{top.path}: line 1: the header lacks an engine limit ({exc!r})") from exc
     best = None
+    base_groups = _groups(t, base_mask, min_steps)  # the bins do not depend on the contention tried
     grid = _GRID if engines_per_run > 1 else _GRID[:1]
     for c in grid:
         stretch = 1.0 + (c - 1.0) * t["other_busy"]
-        runs = [r.plain for r in _bins(t, t["seconds"] / stretch, base_mask, min_steps)]
+        runs = [r.plain for r in _bins(t, t["seconds"] / stretch, base_groups)]
         if len(runs) < 5:
             continue
         model, report = fit_cost_model(runs, name=name, **limits)
@@ -172,7 +178,7 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     model = model.with_overrides(contention=c)
     spec_report = None
     stretch = 1.0 + (c - 1.0) * t["other_busy"]
-    spec_runs = _bins(t, t["seconds"] / stretch, spec_mask, min_steps)
+    spec_runs = _bins(t, t["seconds"] / stretch, _groups(t, spec_mask, min_steps))
     if len(spec_runs) >= 3:
         model, spec_report = fit_spec_costs(model, spec_runs)
     busy = t["other_busy"][ok]
