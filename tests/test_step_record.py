@@ -44,7 +44,7 @@ def test_a_real_engine_records_each_step_as_the_simulator_counts_it(tmp_path):
     assert json.loads(lines[0][len("RESULT "):]) == [8, 8, 8]
     (eng,) = read_step_records(tmp_path / "steps")
     c = eng.columns
-    assert eng.header["engine_kind"] == "plain" and eng.header["block_size"] > 0
+    assert eng.header["engine_kind"] == "plain" and eng.header["drafter"] is None and eng.header["block_size"] > 0
     assert eng.header["kv_capacity_tokens"] >= 1024 and eng.header["max_num_seqs"] > 0
     assert len(eng) == 8
     assert c["prefill_tokens"].tolist() == [600] + [0] * 7
@@ -157,6 +157,46 @@ def test_the_fit_takes_only_the_engines_of_the_kind_asked_for():
     assert spec.step_overhead_s == pytest.approx(8e-3, rel=0.1)
     with pytest.raises(ValueError, match="no plain engine"):
         fit_rollout_steps([run[2:]], kind="plain", engines_per_run=2, name="p")
+
+
+def test_the_fit_prices_each_drafter_apart():
+    """WAR's drafting engines and vLLM's suffix engines are both speculative; a fit by drafter
+    takes only its own engines, and records that do not name their drafter are refused by name."""
+    rng = np.random.default_rng(5)
+    suffix_model = _TRUE.with_overrides(spec_step_s=4e-3, step_overhead_s=3e-3)
+    war = _synthetic_run(_TRUE, 1.0, rng)
+    suffix = _synthetic_run(suffix_model, 1.0, rng)
+    for e in war:
+        e.header["drafter"] = "war_index"
+    for e in suffix:
+        e.header["drafter"] = "vllm_suffix"
+    run = war + suffix
+    w, _ = fit_rollout_steps([run], kind="war_index", engines_per_run=2, name="w")
+    v, rep = fit_rollout_steps([run], kind="vllm_suffix", engines_per_run=2, name="v")
+    assert rep["engines"] == 2
+    assert w.spec_step_s == pytest.approx(_TRUE.spec_step_s, rel=0.1)
+    assert v.spec_step_s == pytest.approx(4e-3, rel=0.1) and v.step_overhead_s == pytest.approx(3e-3, rel=0.1)
+    for e in run:
+        del e.header["drafter"]
+    with pytest.raises(ValueError, match="before records named their drafter"):
+        fit_rollout_steps([run], kind="vllm_suffix", engines_per_run=2, name="v")
+
+
+def test_the_drafter_is_read_from_the_engines_config():
+    from types import SimpleNamespace as NS
+
+    from war_openrlhf.engine.drafting import drafting_for
+    from war_openrlhf.engine.step_record import drafter_of
+
+    def config(speculation: str, openrlhf: bool = False):
+        kw = drafting_for(speculation).engine_kwargs(8, 24, openrlhf_worker=openrlhf)
+        spec = kw.get("speculative_config")
+        return NS(speculative_config=None if spec is None else NS(method=spec["method"]),
+                  parallel_config=NS(worker_extension_cls=kw.get("worker_extension_cls", "")))
+
+    assert drafter_of(config("auto")) == drafter_of(config("off", openrlhf=True)) == "war_index"
+    assert drafter_of(config("vllm_suffix")) == drafter_of(config("vllm_suffix", openrlhf=True)) == "vllm_suffix"
+    assert drafter_of(config("none")) is None
 
 
 def test_war_train_forwards_the_record_directory_to_every_ray_worker(monkeypatch):

@@ -78,11 +78,11 @@ import bench_rollout as br  # noqa: E402
 
 @pytest.mark.parametrize("name, same_engines, war_engines, kind", [
     ("openrlhf", False, "auto", "plain"),               # OpenRLHF's own engines
-    ("openrlhf", True, "auto", "speculative"),          # its executor on WAR's drafting engines
+    ("openrlhf", True, "auto", "war_index"),            # its executor on WAR's drafting engines
     ("openrlhf", True, "none", "plain"),
-    ("openrlhf_vllm_suffix", False, "auto", "speculative"),
-    ("war", False, "auto", "speculative"),
-    ("war_sched_only", False, "auto", "speculative"),   # drafting off, the speculative config stays
+    ("openrlhf_vllm_suffix", False, "auto", "vllm_suffix"),
+    ("war", False, "auto", "war_index"),
+    ("war_sched_only", False, "auto", "war_index"),     # drafting off, the speculative config stays
     ("war", False, "none", "plain"),
 ])
 def test_each_configuration_is_priced_as_the_engines_it_ran_on(name, same_engines, war_engines, kind):
@@ -124,6 +124,37 @@ def test_a_plain_fit_moves_only_the_configurations_on_plain_engines(tmp_path):
     assert two["war"]["x_openrlhf"] < one["war"]["x_openrlhf"]
     same = br.simulate_configs(trajs, str(spec), 2, None, summary, str(plain), same_engines=True)
     assert same["openrlhf"]["step_s"] == one["openrlhf"]["step_s"]  # on WAR's engines: the speculative fit
+
+
+def test_a_suffix_fit_moves_only_vllms_suffix_configuration(tmp_path):
+    from war_openrlhf.simulation.cost_model import get_preset
+
+    spec = ROOT / "benchmarks" / "results" / "engine" / "cost_serving_cpu_policy.json"
+    model = get_preset(str(spec))
+    slower = model.with_overrides(step_overhead_s=model.step_overhead_s * 2, spec_step_s=model.spec_step_s * 2 + 1e-3)
+    suffix = tmp_path / "suffix.json"
+    suffix.write_text(json.dumps({"cost_model": slower.to_dict()}))
+    drafting = {"tokens_per_verification_step": 2.5, "acceptance": 0.5, "speculating_fraction": 1.0}
+    summary = {"openrlhf": {}, "openrlhf_vllm_suffix": dict(drafting), "war": dict(drafting)}
+    trajs = _trajectories()
+    one = br.simulate_configs(trajs, str(spec), 2, None, summary)
+    two = br.simulate_configs(trajs, str(spec), 2, None, summary, suffix_cost_model=str(suffix))
+    assert two["war"]["step_s"] == one["war"]["step_s"] and two["openrlhf"]["step_s"] == one["openrlhf"]["step_s"]
+    assert two["openrlhf_vllm_suffix"]["step_s"] > 1.3 * one["openrlhf_vllm_suffix"]["step_s"]
+
+
+def test_validation_sorts_cost_models_by_the_engines_they_were_fitted_to(tmp_path):
+    files = []
+    for name, kind in (("a.json", "war_index"), ("b.json", "plain"), ("c.json", "vllm_suffix")):
+        f = tmp_path / name
+        f.write_text(json.dumps({"benchmark": "engine_step_costs_rollout", "model": f"/m{name[0]}/war_tiny_policy",
+                                 "engine_kind": kind, "cost_model": {}}))
+        files.append(str(f))
+    out = tmp_path / "validation.json"
+    assert vs.main([str(_task_run(tmp_path, "cost_policy.json")), "--cost-models", *files, "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [len(d[k]) for k in ("cost_models", "plain_cost_models", "suffix_cost_models")] == [1, 1, 1]
+    assert d["cost_models"][0].endswith("a.json") and d["suffix_cost_models"][0].endswith("c.json")
 
 
 def test_a_plain_fit_alone_does_not_stand_in_for_the_drafting_engines_fit(tmp_path):

@@ -222,22 +222,24 @@ SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("l
 
 def engine_kind(name: str, same_engines: bool = False, war_engines: str = "auto") -> str:
     """The engines a configuration runs on, as the simulator prices them: ``plain`` (no
-    speculative config: OpenRLHF's own engines, or the WAR pool's with ``--war-engines none``)
-    or ``speculative`` (vLLM's suffix method, WAR's drafting engines even with drafting off:
-    in vLLM 0.29 a speculative config alone changes the engine, e.g. no async scheduling)."""
+    speculative config: OpenRLHF's own engines, or the WAR pool's with ``--war-engines none``),
+    ``vllm_suffix`` (vLLM's own suffix method) or ``war_index`` (WAR's drafting engines, even with
+    drafting off: in vLLM 0.29 a speculative config alone changes the engine, e.g. no async
+    scheduling). The names are ``fit_rollout_costs.py --kind``'s."""
     if name == "openrlhf":
-        return "speculative" if same_engines and war_engines != "none" else "plain"
+        return "war_index" if same_engines and war_engines != "none" else "plain"
     if name == "openrlhf_vllm_suffix":
-        return "speculative"
-    return "plain" if war_engines == "none" else "speculative"
+        return "vllm_suffix"
+    return "plain" if war_engines == "none" else "war_index"
 
 
 def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None, summary: dict,
                      plain_cost_model: str | None = None, same_engines: bool = False,
-                     war_engines: str = "auto") -> dict:
+                     war_engines: str = "auto", suffix_cost_model: str | None = None) -> dict:
     """Predicted speed-up over ``openrlhf`` (its step time / the config's) of every measured
-    configuration, from the simulator with the fitted ``cost_model`` (and ``plain_cost_model``,
-    when given, for the configurations on plain engines: :func:`engine_kind`). Speculation
+    configuration, from the simulator with the fitted ``cost_model`` (and ``plain_cost_model`` /
+    ``suffix_cost_model``, when given, for the configurations on plain engines / vLLM's suffix
+    engines: :func:`engine_kind`). Speculation
     enters as the configuration's measured tokens per verification step, acceptance and
     speculating fraction (the simulator does not predict acceptance); everything else (prefill,
     prefix caching at the engine's block size, KV limits, batching, placement, tool delays) is
@@ -257,8 +259,9 @@ def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None
             per_spec_step = d["tokens_per_verification_step"]
             tps = frac * per_spec_step + (1.0 - frac)
             drafted = frac * (per_spec_step - 1.0) / d["acceptance"]
-        plain = plain_cost_model is not None and engine_kind(name, same_engines, war_engines) == "plain"
-        cfg = SimConfig(num_engines=engines, preset=plain_cost_model if plain else cost_model,
+        own = {"plain": plain_cost_model, "vllm_suffix": suffix_cost_model}.get(engine_kind(name, same_engines,
+                                                                                         war_engines))
+        cfg = SimConfig(num_engines=engines, preset=own or cost_model,
                         kv_capacity_tokens=kv_tokens,
                         spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0)
         steps[name] = simulate(prepared, policy, cfg).makespan_s
@@ -529,6 +532,9 @@ def main(argv=None):
     ap.add_argument("--plain-cost-model", default=None, metavar="FILE.json",
                     help="with --cost-model: the cost model fitted on plain engines (fit_serving_costs.py "
                          "--engine-kind plain) for the configurations that run on them (OpenRLHF's own engines)")
+    ap.add_argument("--suffix-cost-model", default=None, metavar="FILE.json",
+                    help="with --cost-model: the cost model fitted on vLLM's suffix engines (fit_rollout_costs.py "
+                         "--kind vllm_suffix) for openrlhf_vllm_suffix")
     ap.add_argument("--keep-idle-engines-running", action="store_true",
                     help="leave the engine sets of the other configurations running (idle) during each run "
                          "(default: stopped, so that their idle CPU does not slow the measured one)")
@@ -736,7 +742,8 @@ def main(argv=None):
             raise SystemExit("--cost-model: the simulator replays trace workloads and recorded task runs "
                              "(not --free-sampling) only")
         sim = simulate_configs(replay_trajectories(rows, tokenizer, n, args.seed), args.cost_model, args.engines,
-                               kv_tokens, summary, args.plain_cost_model, args.same_engines, args.war_engines)
+                               kv_tokens, summary, args.plain_cost_model, args.same_engines, args.war_engines,
+                               args.suffix_cost_model)
         simulated = {c: v["x_openrlhf"] for c, v in sim.items()}
         for c, v in sim.items():
             measured = summary[c].get("x_openrlhf")
@@ -745,7 +752,8 @@ def main(argv=None):
             summary[c]["simulated_over_measured"] = (round(v["x_openrlhf"] / measured, 3)
                                                      if measured and v["x_openrlhf"] else None)
     if simulated:
-        write(simulated=simulated, cost_model=args.cost_model, plain_cost_model=args.plain_cost_model)
+        write(simulated=simulated, cost_model=args.cost_model, plain_cost_model=args.plain_cost_model,
+              suffix_cost_model=args.suffix_cost_model)
 
     def f(v, fmt):
         return "n/a" if v is None else format(v, fmt)

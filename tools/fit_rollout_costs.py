@@ -10,12 +10,14 @@ OpenRLHF's own alike) writes each step's work and time there (``engine/step_reco
 tool fits the cost model to them (``simulation/fit_steps.py``): the base step costs on the
 steps that verified no draft, the host's ``contention`` from when the engines stepped together
 and alone, the drafting costs on the steps that verified drafts. ``--kind`` picks the engines:
-``speculative`` (engines with a speculative config: WAR's, vLLM's suffix method) or ``plain``
-(OpenRLHF's own); a run of several configurations records both. Each ``--records`` directory
+``war_index`` (WAR's drafting engines), ``vllm_suffix`` (vLLM's own suffix method), ``plain``
+(no speculative config: OpenRLHF's own, WAR's ``speculation: none``) or ``speculative`` (every
+engine with a speculative config, whoever drafts; records written before they named their
+drafter); a run of several configurations records them all. Each ``--records`` directory
 is one run on one host; several are fitted together.
 
-The result is a cost-model file for ``bench_rollout.py --cost-model`` / ``--plain-cost-model``
-and ``war-predict --cost-model``. Fit on runs of other work than the runs you predict (another
+The result is a cost-model file for ``bench_rollout.py --cost-model`` / ``--plain-cost-model`` /
+``--suffix-cost-model`` and ``war-predict --cost-model``. Fit on runs of other work than the runs you predict (another
 split of the tasks, another seed), or the check proves nothing.
 """
 
@@ -31,12 +33,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
+    from war_openrlhf.simulation.fit_steps import ENGINE_KINDS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--records", type=Path, nargs="+", required=True,
                     help="directories of step records (WAR_STEP_RECORD_DIR of a run), one per run")
-    ap.add_argument("--kind", choices=("speculative", "plain"), required=True,
-                    help="which engines to fit: speculative (WAR's, vLLM's suffix) or plain (OpenRLHF's)")
+    ap.add_argument("--kind", choices=ENGINE_KINDS, required=True,
+                    help="which engines to fit: war_index (WAR's drafting engines), vllm_suffix (vLLM's suffix "
+                         "method), plain (no speculative config) or speculative (any drafter)")
     ap.add_argument("--engines", type=int, required=True, help="engines each configuration ran at once")
     ap.add_argument("--model", default=None,
                     help="the engines' model directory (default: from the records; older records lack it)")
@@ -46,7 +51,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from war_openrlhf.engine.step_record import read_step_records
     from war_openrlhf.metrics import format_table, write_json
-    from war_openrlhf.simulation.fit_steps import fit_rollout_steps
+    from war_openrlhf.simulation.fit_steps import fit_rollout_steps, is_kind
 
     t0 = time.time()
     try:
@@ -56,7 +61,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         raise SystemExit(f"fit_rollout_costs: {exc}")
     engines_model = args.model or next((e.header.get("model") for run in runs for e in run
-                                        if e.header.get("engine_kind") == args.kind and e.header.get("model")), None)
+                                        if is_kind(e.header, args.kind) and e.header.get("model")), None)
     if not engines_model:
         raise SystemExit("fit_rollout_costs: the records do not name their model; pass --model DIR")
     costs = model.to_dict()

@@ -20,11 +20,11 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 
 def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
-               plain_cost_model: str | None = None) -> dict:
+               plain_cost_model: str | None = None, suffix_cost_model: str | None = None) -> dict:
     """The simulator's step and gain over ``openrlhf`` for every configuration of a finished
     ``bench_rollout`` trace run ``d``: the run's trajectories, tool delays, KV and measured
-    speculation, ``cost_model``'s engines (``plain_cost_model``'s for the configurations that
-    ran on plain engines, when given). ValueError for a run that is not a trace workload."""
+    speculation, ``cost_model``'s engines (``plain_cost_model``'s / ``suffix_cost_model``'s for the
+    configurations that ran on plain engines / vLLM's suffix engines, when given). ValueError for a run that is not a trace workload."""
     import bench_rollout as br
     from transformers import AutoTokenizer
 
@@ -46,7 +46,7 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
     modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
     return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], ta["seed"]),
                                cost_model, d["engines"], d["kv_tokens_per_engine"], modelled, plain_cost_model,
-                               bool(d.get("same_engines")), d.get("war_engines", "auto"))
+                               bool(d.get("same_engines")), d.get("war_engines", "auto"), suffix_cost_model)
 
 
 def unmodelled_configs(d: dict) -> list[str]:
@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cost-model", required=True)
     ap.add_argument("--plain-cost-model", default=None,
                     help="the cost model of plain engines, for the configurations that ran on them")
+    ap.add_argument("--suffix-cost-model", default=None,
+                    help="the cost model of vLLM's suffix engines, for openrlhf_vllm_suffix")
     ap.add_argument("--traces-root", type=Path, default=None,
                     help="directory the run's relative traces path is resolved from (default: the current one)")
     args = ap.parse_args(argv)
@@ -69,12 +71,13 @@ def main(argv=None) -> int:
 
     d = read_json(args.json)
     try:
-        sim = resimulate(d, args.cost_model, args.traces_root, args.plain_cost_model)
+        sim = resimulate(d, args.cost_model, args.traces_root, args.plain_cost_model, args.suffix_cost_model)
     except ValueError as exc:
         raise SystemExit(f"{args.json}: {exc}")
     d["simulated"] = {c: v["x_openrlhf"] for c, v in sim.items()}
     d["cost_model"] = args.cost_model
     d["plain_cost_model"] = args.plain_cost_model
+    d["suffix_cost_model"] = args.suffix_cost_model
     print("| config | measured x openrlhf | simulated x openrlhf | simulated / measured | simulated step s |")
     print("|---|---:|---:|---:|---:|")
     for c, v in sim.items():
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
         print(f"| {c} | {s['x_openrlhf']:.2f} | {v['x_openrlhf']:.2f} | {s['simulated_over_measured']:.3f} | "
               f"{v['step_s']:.1f} |")
     # the run's own provenance stays; the re-simulation's is recorded beside it
-    d["resimulation"] = {"cost_model": args.cost_model, "plain_cost_model": args.plain_cost_model, **provenance()}
+    d["resimulation"] = {"cost_model": args.cost_model, "plain_cost_model": args.plain_cost_model,
+                         "suffix_cost_model": args.suffix_cost_model, **provenance()}
     write_json(args.json, d, stamp=False)
     print(f"wrote {args.json}")
     return 0

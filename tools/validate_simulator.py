@@ -8,8 +8,10 @@ simulator's prediction of the same run, in one file that war-predict reads.
 For each ``bench_rollout`` result under ``benchmarks/results/rollout/`` (or the files given), the
 cost model is the one fitted to the run's model (``--cost-models``: files written by
 ``tools/fit_serving_costs.py`` or ``bench_engine.py --fit-costs``, matched by the model directory's
-name; a fit of plain engines, ``fit_serving_costs.py --engine-kind plain``, prices the
-configurations that ran on plain engines, OpenRLHF's own: ``bench_rollout.engine_kind``). A trace
+name; a fit of plain engines, ``fit_serving_costs.py --engine-kind plain`` or ``fit_rollout_costs.py
+--kind plain``, prices the configurations that ran on plain engines, OpenRLHF's own, and a fit of
+vLLM's suffix engines, ``fit_rollout_costs.py --kind vllm_suffix``, ``openrlhf_vllm_suffix``:
+``bench_rollout.engine_kind``). A trace
 run is re-simulated: every measured configuration with the run's trajectories,
 tool delays, KV and the configuration's measured speculation (tokens per verification step,
 acceptance, speculating fraction); the step time and the gain over ``openrlhf`` it predicts are
@@ -81,14 +83,14 @@ def main(argv=None) -> int:
 
     from war_openrlhf.metrics import read_json, write_json
 
-    costs, plain_costs = {}, {}
+    costs, plain_costs, suffix_costs = {}, {}, {}
     for path in args.cost_models:
         doc = read_json(path)
         model = doc.get("model")
         if not model:
             raise SystemExit(f"{path}: not a fitted cost model (no 'model' field)")
         kind = doc.get("engine_kind", "speculative")
-        (plain_costs if kind == "plain" else costs)[Path(model).name] = _rel(path)
+        {"plain": plain_costs, "vllm_suffix": suffix_costs}.get(kind, costs)[Path(model).name] = _rel(path)
     files = args.results or sorted(DEFAULT_RESULTS.glob("*.json*"))
     runs, skipped = [], []
     for path in tqdm(files, desc="re-simulating runs", unit="run"):
@@ -101,10 +103,13 @@ def main(argv=None) -> int:
             skipped.append({"file": _rel(path), "reason": f"no cost model fitted to its model {d.get('model')!r}"})
             continue
         plain = plain_costs.get(Path(d.get("model", "")).name)
+        suffix = suffix_costs.get(Path(d.get("model", "")).name)
         if (d.get("workload") or "").startswith("traces:"):
             sim, source = resimulate(d, str(ROOT / cost), args.traces_root,
-                                     None if plain is None else str(ROOT / plain)), "re-simulated"
+                                     None if plain is None else str(ROOT / plain),
+                                     None if suffix is None else str(ROOT / suffix)), "re-simulated"
         elif d.get("cost_model") and Path(d["cost_model"]).name == Path(cost).name:
+            plain, suffix = d.get("plain_cost_model"), d.get("suffix_cost_model")  # the run's own
             sim, source = {c: {"step_s": v["simulated_step_s"], "x_openrlhf": v["simulated_x_openrlhf"]}
                            for c, v in d["configs"].items() if "simulated_step_s" in v}, "simulated in the run"
         else:
@@ -114,14 +119,15 @@ def main(argv=None) -> int:
         runs.append({"file": _rel(path), "regime": regime_name(d), "load": (d.get("regime") or {}).get("load"),
                      "pressure": d.get("pressure"), "commit": (d.get("git") or {}).get("commit"),
                      "written_at": d.get("written_at"), "cost_model": cost,
-                     "plain_cost_model": plain if source == "re-simulated" else None, "prediction": source,
+                     "plain_cost_model": plain, "suffix_cost_model": suffix, "prediction": source,
                      "rows": compare(d, sim), "not_modelled": unmodelled_configs(d)})
     rows = [r for run in runs for r in run["rows"]]
     gain = [abs(r["gain_error"]) for r in rows if r["gain_error"] is not None and r["config"] != "openrlhf"]
     step = [abs(r["step_error"]) for r in rows]
     out = write_json(args.json, {
         "benchmark": "simulator_validation", "cost_models": sorted(costs.values()),
-        "plain_cost_models": sorted(plain_costs.values()), "runs": runs, "skipped": skipped,
+        "plain_cost_models": sorted(plain_costs.values()), "suffix_cost_models": sorted(suffix_costs.values()),
+        "runs": runs, "skipped": skipped,
         "comparisons": len(gain), "worst_abs_error": max(gain) if gain else None,
         "worst_abs_step_error": max(step) if step else None,
         "target_abs_error": 0.15,

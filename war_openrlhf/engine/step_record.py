@@ -18,7 +18,7 @@ the context they attend), the second stamps the step's end and whether requests 
 (the next step then starts at once, so the time between two step ends is a step's period,
 scheduling and output handling included; with vLLM's async scheduling, where steps overlap,
 that period is what a step costs). Rows go to ``steps-<host>-<pid>-<n>.csv`` in that directory,
-one header line of JSON (engine kind and limits), then one CSV row per step; they are
+one header line of JSON (engine kind, drafter and limits), then one CSV row per step; they are
 written whenever the engine runs out of requests (off the critical path) or every
 ``_FLUSH_ROWS`` steps. Unset, nothing is patched and nothing is paid.
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ENV", "FIELDS", "EngineSteps", "StepRecorder", "install", "read_step_records", "register"]
+__all__ = ["ENV", "FIELDS", "EngineSteps", "StepRecorder", "drafter_of", "install", "read_step_records", "register"]
 
 #: Directory to write step records into (unset: no recording).
 ENV = "WAR_STEP_RECORD_DIR"
@@ -120,6 +120,20 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def drafter_of(vllm_config: Any) -> str | None:
+    """Who drafts in an engine built with ``vllm_config``: ``None`` (no speculative config),
+    ``war_index`` (WAR's replica behind vLLM's suffix drafter: WAR's worker extension) or
+    ``vllm_<method>`` (vLLM's own, e.g. ``vllm_suffix``). Their per-step costs differ, so the
+    fit prices each apart (:func:`war_openrlhf.simulation.fit_steps.fit_rollout_steps`)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    ext = str(getattr(getattr(vllm_config, "parallel_config", None), "worker_extension_cls", "") or "")
+    if ext.startswith("war_openrlhf."):
+        return "war_index"
+    return f"vllm_{getattr(spec, 'method', None) or 'unknown'}"
+
+
 def _header(scheduler: Any) -> dict[str, Any]:
     cfg = getattr(scheduler, "vllm_config", None)
     spec = getattr(cfg, "speculative_config", None)
@@ -128,7 +142,7 @@ def _header(scheduler: Any) -> dict[str, Any]:
     blocks = int(getattr(kv_cfg, "num_blocks", 0) or 0)
     model = getattr(getattr(cfg, "model_config", None), "model", None)
     return {"pid": os.getpid(), "host": socket.gethostname(), "clock": "monotonic", "model": model,
-            "engine_kind": "speculative" if spec is not None else "plain",
+            "engine_kind": "speculative" if spec is not None else "plain", "drafter": drafter_of(cfg),
             "async_scheduling": bool(getattr(getattr(cfg, "scheduler_config", None), "async_scheduling", False)),
             "block_size": block, "kv_capacity_tokens": blocks * block,
             "max_num_seqs": int(getattr(scheduler, "max_num_running_reqs", 0) or 0),

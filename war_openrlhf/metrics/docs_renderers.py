@@ -1240,6 +1240,8 @@ def simulator_validation_reading(d: dict) -> str:
              f"(cost models {', '.join(f'`{c}`' for c in d['cost_models'])}"
              + (f"; OpenRLHF's own engines priced by {', '.join(f'`{c}`' for c in d['plain_cost_models'])}"
                 if d.get("plain_cost_models") else "")
+             + (f"; vLLM's suffix engines by {', '.join(f'`{c}`' for c in d['suffix_cost_models'])}"
+                if d.get("suffix_cost_models") else "")
              + "), the worst |simulated / measured - 1| "
              f"is {worst:.0%} for the gain and {d['worst_abs_step_error']:.0%} for the step time: the target "
              f"(<= {target:.0%} for every configuration) is **{'met' if worst <= target else 'missed'}**."]
@@ -1279,7 +1281,9 @@ def cost_models(*docs: dict) -> str:
         serving = d["benchmark"] == "engine_step_costs_serving" or rollout
         plain = d.get("engine_kind") == "plain"
         if rollout:
-            through = f"a rollout's own steps ({'plain engines' if plain else 'drafting engines'})"
+            engines = {"plain": "plain engines", "war_index": "WAR's drafting engines",
+                       "vllm_suffix": "vLLM's suffix engines"}.get(d.get("engine_kind"), "drafting engines")
+            through = f"a rollout's own steps ({engines})"
         elif serving:
             through = "plain engine actors (OpenRLHF's engines)" if plain else "engine actors (rollout)"
         else:

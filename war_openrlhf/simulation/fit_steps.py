@@ -30,7 +30,7 @@ import numpy as np
 from .cost_model import CostModel
 from .fit import SpecRun, StepRun, fit_cost_model, fit_spec_costs
 
-__all__ = ["step_table", "fit_rollout_steps"]
+__all__ = ["DRAFTERS", "ENGINE_KINDS", "fit_rollout_steps", "is_kind", "step_table"]
 
 _GRID = np.round(np.arange(1.0, 3.0001, 0.02), 4)
 
@@ -64,11 +64,26 @@ def _busy_sum(starts: np.ndarray, ends: np.ndarray, others: Sequence[tuple[np.nd
     return total
 
 
-def step_table(engines: Sequence[Any], engines_per_run: int) -> dict[str, np.ndarray]:
-    """Every engine's steps as columns (the record's work, ``seconds``, ``other_busy``,
-    ``speculative``). ``engines`` are every engine of one host's run (engines of configurations
-    that were stopped meanwhile add nothing); ``other_busy`` is the other engines' summed busy
-    share of each step over ``engines_per_run - 1`` (at most 1), as the simulator counts them."""
+#: Which recorded engines a fit prices: ``plain`` (no speculative config), ``speculative`` (every
+#: engine with one, whoever drafts), or one drafter (``war_index``: WAR's replica, ``vllm_suffix``:
+#: vLLM's own suffix method), whose drafting costs differ (the header's ``drafter``).
+DRAFTERS = ("war_index", "vllm_suffix")
+ENGINE_KINDS = ("plain", "speculative") + DRAFTERS
+
+
+def is_kind(header: dict[str, Any], kind: str) -> bool:
+    """Whether the engine whose record header is ``header`` is of ``kind`` (:data:`ENGINE_KINDS`)."""
+    if kind in ("plain", "speculative"):
+        return header.get("engine_kind") == kind
+    return header.get("engine_kind") == "speculative" and header.get("drafter") == kind
+
+
+def step_table(engines: Sequence[Any], engines_per_run: int, kind: str = "speculative") -> dict[str, np.ndarray]:
+    """Every engine's steps as columns (the record's work, ``seconds``, ``other_busy``, ``mine``:
+    1 for the steps of the ``kind`` engines, :func:`is_kind`). ``engines`` are every engine of one
+    host's run (engines of configurations that were stopped meanwhile add nothing);
+    ``other_busy`` is the other engines' summed busy share of each step over
+    ``engines_per_run - 1`` (at most 1), as the simulator counts them."""
     spans = []
     for e in engines:
         p = _periods(e.columns)
@@ -88,7 +103,7 @@ def step_table(engines: Sequence[Any], engines_per_run: int) -> dict[str, np.nda
         cols = dict(e.columns)
         cols["seconds"] = ends - starts
         cols["other_busy"] = frac
-        cols["speculative"] = np.full(len(starts), e.header.get("engine_kind") == "speculative", dtype=np.float64)
+        cols["mine"] = np.full(len(starts), is_kind(e.header, kind), dtype=np.float64)
         for name, v in cols.items():
             parts.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
     return {name: np.concatenate(v) for name, v in parts.items()}
@@ -129,23 +144,27 @@ def _bins(t: dict[str, np.ndarray], seconds: np.ndarray, groups: list[np.ndarray
 
 def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_run: int, name: str,
                       min_steps: int = 3, max_period_s: float = 5.0) -> tuple[CostModel, dict[str, Any]]:
-    """The cost model (base, drafting and ``contention``) of the ``kind`` engines (``plain`` or
-    ``speculative``) that best explains their recorded steps, and a report. ``runs``: per run
+    """The cost model (base, drafting and ``contention``) of the ``kind`` engines (:data:`ENGINE_KINDS`)
+    that best explains their recorded steps, and a report. ``runs``: per run
     (one host, one recording directory), every engine's
     :class:`~war_openrlhf.engine.step_record.EngineSteps`; ``engines_per_run``: how many engines
     each configuration ran at once. The limits come from the header of the matching engine
     that ran the most steps."""
-    if kind not in ("plain", "speculative"):
-        raise ValueError(f"kind: expected 'plain' or 'speculative', got {kind!r}")
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"kind: expected one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
     if engines_per_run < 1:
         raise ValueError(f"engines_per_run: must be >= 1, got {engines_per_run!r}")
-    engines = [e for run in runs for e in run if e.header.get("engine_kind") == kind]
+    engines = [e for run in runs for e in run if is_kind(e.header, kind)]
     if not engines:
+        unnamed = [str(e.path) for run in runs for e in run
+                   if e.header.get("engine_kind") == "speculative" and "drafter" not in e.header]
+        hint = (f"; {len(unnamed)} speculative engine(s) were recorded before records named their drafter "
+                f"(e.g. {unnamed[0]}): fit them as 'speculative' or record again") if unnamed and kind in DRAFTERS else ""
         raise ValueError(f"runs: no {kind} engine among the step records "
-                         f"({', '.join(str(e.path) for run in runs for e in run) or 'none'})")
-    tables = [step_table(run, engines_per_run) for run in runs if run]
+                         f"({', '.join(str(e.path) for run in runs for e in run) or 'none'}){hint}")
+    tables = [step_table(run, engines_per_run, kind) for run in runs if run]
     t = {k: np.concatenate([tb[k] for tb in tables]) for k in tables[0]}
-    mine = t["speculative"] == (kind == "speculative")
+    mine = t["mine"] > 0
     ok = mine & (t["seconds"] > 0) & (t["seconds"] <= max_period_s)
     base_mask = ok & (t["draft_tokens"] == 0)
     spec_mask = ok & (t["draft_tokens"] > 0)
