@@ -206,6 +206,8 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
         "--workload", "traces:x.json", "--free-sampling")
     assert "--war-engines none: plain engines cannot draft, but war would" in refused(
         "--war-engines", "none", "--configs", "openrlhf,war,war_sched_only")
+    assert "--war-engines none: the WAR engines are plain already" in refused(
+        "--war-engines", "none", "--configs", "war_sched_only,war_plain_engines")
     assert not (tmp_path / "o.json").exists()
 
 

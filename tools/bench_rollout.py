@@ -43,6 +43,10 @@ Configurations (``--configs``):
   block-hash bookkeeping. Every WAR configuration records the dispatcher's estimate of each
   turn's cached prefix against the engine's report (``cache_estimate`` in the JSON: exact /
   over / under, both ways in tokens).
+* ``war_plain_engines``: ``war`` dispatch on an engine set of its own without a speculative config
+  (``speculation: none``, what a pool that never drafts runs): against ``war_sched_only`` (the same
+  dispatcher on WAR's drafting engines, drafting off) it measures the engines' tax in a rollout,
+  engine cores in their own processes, on the same work.
 * ``war_sticky``, ``war_sglang_cache_aware``, ``war_dynamo_kv``, ``war_verl_kv_aware``: the
   WAR pool (speculation ``auto``) under verl's sticky, SGLang's cache-aware, NVIDIA Dynamo's
   KV and verl's KV-cache-aware routers, so the routers differ and nothing else.
@@ -97,7 +101,11 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_kv_events": ("war", "auto"),  # war whose cache model is corrected by vLLM's KV events
     "war_finished_only": ("war", "auto"),  # war without in-flight sharing
     "war_longest_first": ("war", "auto"),  # war + each turn's vLLM priority from predicted remaining work
+    "war_plain_engines": ("war", "off"),  # war dispatch on plain engines (speculation: none), a set of its own
 }
+#: configurations on an engine set of their own without a speculative config, beside the WAR engines
+#: (``--war-engines``): the engine tax of drafting engines with drafting off, measured in a rollout
+PLAIN_ENGINE_CONFIGS = ("war_plain_engines",)
 NO_INFLIGHT_CONFIGS = ("war_finished_only",)
 #: configurations that order turns by vLLM request priority; their presence starts every WAR engine
 #: of the run with priority scheduling (equal priorities then serve in arrival order, as fcfs does)
@@ -214,7 +222,7 @@ def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> l
 # Each configuration as the simulator runs it: (dispatch policy, speculates).
 SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
                 "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
-                "war_spec_on": ("war", True),
+                "war_spec_on": ("war", True), "war_plain_engines": ("war", False),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
                 "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True),
                 "war_kv_events": ("war", True)}
@@ -230,6 +238,8 @@ def engine_kind(name: str, same_engines: bool = False, war_engines: str = "auto"
         return "war_index" if same_engines and war_engines != "none" else "plain"
     if name == "openrlhf_vllm_suffix":
         return "vllm_suffix"
+    if name in PLAIN_ENGINE_CONFIGS:
+        return "plain"
     return "plain" if war_engines == "none" else "war_index"
 
 
@@ -560,6 +570,9 @@ def main(argv=None):
     if args.war_engines == "none" and drafting:
         raise SystemExit(f"--war-engines none: plain engines cannot draft, but {', '.join(drafting)} would; "
                          "run war_sched_only (and the openrlhf baselines) on them")
+    if args.war_engines == "none" and any(c in PLAIN_ENGINE_CONFIGS for c in configs):
+        raise SystemExit("--war-engines none: the WAR engines are plain already; run war_sched_only on them "
+                         "instead of war_plain_engines")
     if args.same_engines and "openrlhf_vllm_suffix" in configs:
         raise SystemExit("--same-engines: openrlhf_vllm_suffix needs engines started with vLLM's suffix method; "
                          "drop it from --configs or run without --same-engines")
@@ -647,7 +660,7 @@ def main(argv=None):
 
     runners = {}
     engine_set = {}  # configuration -> the engine handles it runs on
-    war_names = [c for c in configs if c in WAR_CONFIGS]
+    war_names = [c for c in configs if c in WAR_CONFIGS and c not in PLAIN_ENGINE_CONFIGS]
     handles = None
     if war_names or args.same_engines:
         if any(c in PRIORITY_CONFIGS for c in configs):
@@ -665,6 +678,15 @@ def main(argv=None):
             engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
+    plain_handles = None
+    for name in (c for c in configs if c in PLAIN_ENGINE_CONFIGS):
+        plain_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": "none"}}
+        plain_handles = create_war_engines(args.engines, RolloutConfig(**{**plain_kwargs, "engine": {
+            **plain_kwargs["engine"], "kv_capacity_tokens": kv_tokens}}).engine, placement_group=True)
+        run_war(plain_handles, plain_kwargs, name, prompts, labels, n, tokenizer, agent_cls)  # warm-up, as above
+        engine_set[name] = plain_handles
+        runners[name] = (lambda name=name, h=plain_handles, kw=plain_kwargs: run_war(
+            h, kw, name, prompts, labels, n, tokenizer, agent_cls))
     baseline_sets = []
     for name, method in BASELINES.items():
         if name not in configs:
@@ -702,8 +724,8 @@ def main(argv=None):
             print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
                   f"{out['generated_tokens']} tokens; CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest),
                   file=sys.stderr, flush=True)
-    if handles is not None:
-        for h in handles:
+    for hs in (handles, plain_handles):
+        for h in hs or ():
             ray.get(h.shutdown.remote())
             ray.kill(h)
     for engines in baseline_sets:
