@@ -147,3 +147,24 @@ def test_both_cost_fits_price_a_shape_the_same_way():
     r = bench_engine.step_run(2, 2048, 48, 4096, 1.0)
     assert (r.kind, r.steps, r.decode_seqs, r.prefill_tokens) == ("decode", 49, 96, 4096)
     assert r.context_tokens == 2 * 2048 + sum(2 * (2048 + k) for k in range(1, 49))  # prefill, then 48 decode reads
+
+
+def test_a_runs_weight_pulls_the_fit_toward_it_and_bad_weights_are_refused():
+    """Weights multiply each run's squared relative error: equal weights change nothing, a heavy
+    run is fitted closer than with equal weights, and a weight that is not positive is refused."""
+    truth = get_preset("cpu_tiny")
+    costs = [truth.step_overhead_s, truth.decode_per_seq_s, 2e-9, 3e-5, 2e-9]
+    runs = _runs(costs, np.random.default_rng(2), noise=0.1)
+    kw = dict(name="t", kv_capacity_tokens=10**6, max_num_seqs=256, max_num_batched_tokens=4096, block_size=128)
+    plain, rep = fit_cost_model(runs, **kw)
+    same, _ = fit_cost_model(runs, weights=[2.0] * len(runs), **kw)
+    numeric = [k for k, v in plain.to_dict().items() if isinstance(v, float)]
+    assert [getattr(same, k) for k in numeric] == pytest.approx([getattr(plain, k) for k in numeric], rel=1e-9)
+    errors = [abs(r["ratio"] - 1.0) for r in rep["runs"]]
+    worst = int(np.argmax(errors))
+    heavy, rep_heavy = fit_cost_model(runs, weights=[100.0 if i == worst else 1.0 for i in range(len(runs))], **kw)
+    assert abs(rep_heavy["runs"][worst]["ratio"] - 1.0) < errors[worst]
+    with pytest.raises(ValueError, match="weights"):
+        fit_cost_model(runs, weights=[1.0] * (len(runs) - 1), **kw)
+    with pytest.raises(ValueError, match="weights"):
+        fit_cost_model(runs, weights=[0.0] + [1.0] * (len(runs) - 1), **kw)

@@ -223,3 +223,16 @@ def test_cpu_by_process_groups_a_configuration_s_own_engines_apart_from_the_idle
     base = _cpu_groups("openrlhf_vllm_suffix", cpu)
     assert base["workers"] == 0.2 and base["actors"] == 0.1 and base["idle set"] == pytest.approx(6.8)
     assert sum(war.values()) == pytest.approx(sum(cpu.values())) == pytest.approx(sum(base.values()))
+
+
+def test_the_rollout_engine_tax_pairs_each_repeat_and_states_the_target():
+    from war_openrlhf.metrics.docs_renderers import rollout_engine_tax
+
+    d = {"configs": {"war_sched_only": {"step_s": 10.5, "step_s_runs": [10.5, 11.0, 10.0]},
+                     "war_plain_engines": {"step_s": 10.0, "step_s_runs": [10.0, 10.0, 10.0]},
+                     "war": {"step_s": 8.0}}}
+    text = rollout_engine_tax(d)
+    assert "+0.0%, +5.0%, +10.0% (median +5.0%" in text and "1.25x `war_plain_engines`" in text
+    assert "missed on the median repeat" in text
+    d["configs"]["war_sched_only"]["step_s_runs"] = [10.1, 9.9, 10.0]
+    assert "met on the median repeat" in rollout_engine_tax(d)

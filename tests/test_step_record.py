@@ -222,7 +222,7 @@ def test_a_busy_step_lasts_from_the_previous_steps_end_and_an_idle_one_from_its_
 def test_steps_longer_than_the_bound_are_left_out_of_the_fit():
     rng = np.random.default_rng(3)
     run = _synthetic_run(_TRUE, 1.0, rng)
-    clean, _ = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="c")
+    clean, clean_report = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="c")
     cols = run[0].columns
     last = max(float(e.columns["t_end"].max()) for e in run)
     row = {f: v[-1] for f, v in cols.items()}  # the last step's work again, after an idle gap, stalled a minute
@@ -230,8 +230,25 @@ def test_steps_longer_than_the_bound_are_left_out_of_the_fit():
     for f in cols:
         cols[f] = np.append(cols[f], row[f])
     model, report = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="s")
-    assert report["steps_dropped"] == 1
+    assert report["steps_dropped"] == clean_report["steps_dropped"] + 1
     assert model.step_overhead_s == pytest.approx(clean.step_overhead_s, rel=0.05)
+
+
+def test_an_engines_start_up_step_is_left_out_of_the_fit():
+    """An engine's first step pays its start-up (seconds for a few hundred tokens on CPU); a
+    rollout never repeats it, so the fit must not price it."""
+    rng = np.random.default_rng(6)
+    run = _synthetic_run(_TRUE, 1.0, rng)
+    clean, clean_report = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="c")
+    for e in run:
+        e.columns["t_end"][0] = e.columns["t_start"][0] + 3.0  # the first step: 3 s
+        later = e.columns["t_start"] > e.columns["t_start"][0]
+        for f in ("t_start", "t_end"):
+            e.columns[f][later] += 3.0
+    model, report = fit_rollout_steps([run], kind="speculative", engines_per_run=2, name="s")
+    assert report["steps_dropped"] == clean_report["steps_dropped"] == 2  # each engine's first step
+    assert model.step_overhead_s == pytest.approx(clean.step_overhead_s, rel=0.05)
+    assert model.prefill_per_token_s == pytest.approx(clean.prefill_per_token_s, rel=0.05)
 
 
 def test_a_header_without_the_engine_limits_is_named():

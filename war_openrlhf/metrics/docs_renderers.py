@@ -892,6 +892,26 @@ def noroom_target(d: dict) -> str:
             f"{'met' if ok else f'missed, worst against `{worst}`'}.\n")
 
 
+@renderer("rollout_engine_tax")
+def rollout_engine_tax(d: dict) -> str:
+    """The drafting engines' tax with drafting off, in a rollout: ``war_sched_only`` (WAR's drafting
+    engines, drafting off) against ``war_plain_engines`` (the same dispatcher on engines without a
+    speculative config), each repeat's pair run back to back; and what drafting then wins back."""
+    c = d["configs"]
+    off, plain = c["war_sched_only"]["step_s_runs"], c["war_plain_engines"]["step_s_runs"]
+    taxes = sorted(a / b - 1.0 for a, b in zip(off, plain))
+    med = taxes[len(taxes) // 2] if len(taxes) % 2 else 0.5 * (taxes[len(taxes) // 2 - 1] + taxes[len(taxes) // 2])
+    parts = [f"`war_sched_only` (drafting engines, drafting off) against `war_plain_engines` (plain engines, the "
+             f"same dispatcher), per repeat: {', '.join(f'{100 * t:+.1f}%' for t in taxes)} (median "
+             f"{100 * med:+.1f}%; median step over median step {100 * (c['war_sched_only']['step_s'] / c['war_plain_engines']['step_s'] - 1):+.1f}%)."]
+    if "war" in c:
+        parts.append(f"`war` (drafting engines, the switch deciding) {c['war_plain_engines']['step_s'] / c['war']['step_s']:.2f}x "
+                     "`war_plain_engines` (median step over median step): what drafting wins back on this work.")
+    parts.append(f"Target (drafting off costs <= 2% against a plain engine): {'met' if med <= 0.02 else 'missed'} "
+                 "on the median repeat.")
+    return " ".join(parts) + "\n"
+
+
 def _fraction_range(config: dict) -> str:
     fr = [f for f in (config.get("speculating_fraction") or []) if f is not None]
     return f"{100 * min(fr):.0f}-{100 * max(fr):.0f}%" if fr else "n/a"

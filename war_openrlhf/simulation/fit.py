@@ -57,11 +57,13 @@ class SpecRun:
     draft_context_tokens: float = 0.0  # sum over verified draft tokens of their request's context
 
 
-def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun]) -> tuple[CostModel, dict[str, Any]]:
+def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun], *,
+                   weights: Sequence[float] | None = None) -> tuple[CostModel, dict[str, Any]]:
     """``model`` with ``spec_step_s``, ``draft_token_s`` and ``draft_context_token_s`` fitted to
     drafting runs: what each run took beyond ``model``'s price of its plain work (non-negative
     least squares on relative error, as :func:`fit_cost_model`). Runs that record no draft
-    context (all zero) fit the first two only."""
+    context (all zero) fit the first two only. ``weights``: each run's weight in the squared
+    relative error (default: all equal)."""
     if len(runs) < 2:
         raise ValueError(f"runs: need at least 2 drafting runs to fit 2 costs, got {len(runs)}")
     base = np.array([np.dot(r.plain.features(), [getattr(model, c) for c in _COSTS]) for r in runs])
@@ -69,7 +71,8 @@ def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun]) -> tuple[CostModel
     a = np.array([[r.spec_steps, r.draft_tokens, r.draft_context_tokens] for r in runs], dtype=np.float64)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
-    x = _nnls((a / scale) / y[:, None], (y - base) / y) / scale
+    w = _row_weights(weights, len(runs))
+    x = _nnls((a / scale) / y[:, None] * w[:, None], (y - base) / y * w) / scale
     fitted = replace(model, spec_step_s=float(x[0]), draft_token_s=float(x[1]), draft_context_token_s=float(x[2]))
     predicted = base + a @ x
     ratios = predicted / y
@@ -82,6 +85,16 @@ def fit_spec_costs(model: CostModel, runs: Sequence[SpecRun]) -> tuple[CostModel
         "median_relative_error": round(float(np.median(np.abs(ratios - 1.0))), 4),
     }
     return fitted, report
+
+
+def _row_weights(weights: Sequence[float] | None, n: int) -> np.ndarray:
+    """The square roots of the runs' weights (rows of the least squares), validated."""
+    if weights is None:
+        return np.ones(n)
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (n,) or not (w > 0).all():
+        raise ValueError(f"weights: need {n} positive weights, got {w.tolist()!r}")
+    return np.sqrt(w)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -116,8 +129,13 @@ def fit_cost_model(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     block_size: int,
+    weights: Sequence[float] | None = None,
 ) -> tuple[CostModel, dict[str, Any]]:
     """The cost model that best explains ``runs`` (relative least squares, costs >= 0), and a report.
+
+    ``weights``: each run's weight in the squared relative error (default: all equal; a fit to a
+    rollout's steps weighs each bin by its seconds, so that a few long prefill bins count as
+    much as the time they take, not as little as their number).
 
     The engine limits (KV capacity, scheduler limits, block size) are the measured engine's
     own, passed in. Report: the fitted costs, each run's predicted / measured ratio, and the
@@ -133,8 +151,9 @@ def fit_cost_model(
     y = np.array([r.seconds for r in runs], dtype=np.float64)
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
-    weighted = (a / scale) / y[:, None]
-    x = _nnls(weighted, np.ones(len(runs))) / scale
+    w = _row_weights(weights, len(runs))
+    weighted = (a / scale) / y[:, None] * w[:, None]
+    x = _nnls(weighted, w) / scale
     costs = dict(zip(_COSTS, (float(v) for v in x)))
     model = CostModel(
         name=name,

@@ -104,6 +104,7 @@ def step_table(engines: Sequence[Any], engines_per_run: int, kind: str = "specul
         cols["seconds"] = ends - starts
         cols["other_busy"] = frac
         cols["mine"] = np.full(len(starts), is_kind(e.header, kind), dtype=np.float64)
+        cols["first"] = (np.arange(len(starts)) == 0).astype(np.float64)  # the engine's start-up step
         for name, v in cols.items():
             parts.setdefault(name, []).append(np.asarray(v, dtype=np.float64))
     return {name: np.concatenate(v) for name, v in parts.items()}
@@ -165,7 +166,9 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     tables = [step_table(run, engines_per_run, kind) for run in runs if run]
     t = {k: np.concatenate([tb[k] for tb in tables]) for k in tables[0]}
     mine = t["mine"] > 0
-    ok = mine & (t["seconds"] > 0) & (t["seconds"] <= max_period_s)
+    # an engine's first step pays its one-time start-up (seconds for a few hundred tokens), as
+    # the benchmarks' warm-up runs do: it prices nothing a rollout step repeats
+    ok = mine & (t["first"] == 0) & (t["seconds"] > 0) & (t["seconds"] <= max_period_s)
     base_mask = ok & (t["draft_tokens"] == 0)
     spec_mask = ok & (t["draft_tokens"] > 0)
     if base_mask.sum() < 16:
@@ -185,9 +188,10 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
         runs = [r.plain for r in _bins(t, t["seconds"] / stretch, base_groups)]
         if len(runs) < 5:
             continue
-        model, report = fit_cost_model(runs, name=name, **limits)
+        weights = [r.seconds for r in runs]  # a bin counts as much as the time it takes
+        model, report = fit_cost_model(runs, name=name, weights=weights, **limits)
         ratios = np.array([r["ratio"] for r in report["runs"]])
-        err = float(np.sum((ratios - 1.0) ** 2))
+        err = float(np.sum(np.asarray(weights) * (ratios - 1.0) ** 2))
         if best is None or err < best[0] * (1 - 1e-6):
             best = (err, float(c), model, report)
     if best is None:
@@ -199,7 +203,7 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     stretch = 1.0 + (c - 1.0) * t["other_busy"]
     spec_runs = _bins(t, t["seconds"] / stretch, _groups(t, spec_mask, min_steps))
     if len(spec_runs) >= 3:
-        model, spec_report = fit_spec_costs(model, spec_runs)
+        model, spec_report = fit_spec_costs(model, spec_runs, weights=[r.plain.seconds for r in spec_runs])
     busy = t["other_busy"][ok]
     return model, {
         "engine_kind": kind, "engines": len(engines), "engines_per_run": engines_per_run, "steps": int(ok.sum()),
