@@ -97,3 +97,24 @@ def test_the_meter_fit_from_moments_equals_least_squares_over_its_window(rows, w
     assert min(fit) >= 0
     reference = nonnegative_step_fit(window_rows)
     assert _sse(window_rows, fit) <= _sse(window_rows, reference) * (1 + 1e-6) + 1e-12
+
+
+def test_the_engine_meters_the_prompt_tokens_it_computed_not_those_the_prefix_cache_served():
+    """vLLM's iteration stats count every prompt token of a finished prefill, cached ones too; the
+    meter gets the computed ones, else a prefill would be priced at the cache's miss rate."""
+    from vllm.v1.metrics.stats import IterationStats, PrefillStats, SchedulerStats
+
+    from war_openrlhf.engine.engine import _SchedulerStatsLogger, computed_prompt_tokens
+
+    logger = _SchedulerStatsLogger(None)
+    busy = SchedulerStats(num_running_reqs=2)
+    for k in range(3):
+        it = IterationStats()
+        it.num_generation_tokens = 2
+        prefill = PrefillStats()
+        prefill.set(num_prompt_tokens=1000, num_local_cached_tokens=896 - 128 * k, num_external_cached_tokens=0)
+        it.prompt_token_stats.update_from_output(prefill)
+        assert it.num_prompt_tokens == 1000 and computed_prompt_tokens(it) == 104 + 128 * k
+        logger.record(busy, it)
+    assert [row[2] for row in logger.meter.samples] == [232.0, 360.0]  # the first output opens the window
+    assert logger.totals["prompt_tokens"] == 3000  # the totals keep vLLM's count
