@@ -168,3 +168,36 @@ def test_a_plain_fit_alone_does_not_stand_in_for_the_drafting_engines_fit(tmp_pa
     d = json.loads(out.read_text())
     assert d["runs"] == [] and "no cost model fitted to its model" in d["skipped"][0]["reason"]
     assert d["plain_cost_models"] and not d["cost_models"]
+
+
+def test_a_task_run_that_keeps_its_replayed_episodes_is_re_simulated_with_any_cost_model(tmp_path):
+    """A task run's file keeps the episodes every configuration replayed: validation re-runs the
+    simulator on them with the cost models given (not the run's own prediction), and a cheaper
+    engine predicts a shorter step."""
+    from war_openrlhf.fixtures.tiny_model import build_tiny_model
+    from war_openrlhf.simulation.cost_model import get_preset
+
+    model = build_tiny_model(ROOT / ".cache" / "war_tiny_model")
+    trials = [{"trial": i, "lengths": [30, 20, 12], "observations": ["ok: 3 rows", "done"], "delays": [0.1, 0.05, 0.0],
+               "trajectory_id": f"t{i}"} for i in range(4)]
+    rows = [{"prompt": f"Question {g}: how many flights?", "label": json.dumps({"task": f"g{g}", "trials": trials})}
+            for g in range(2)]
+    path = _task_run(tmp_path, "cost_policy.json", model=str(model))
+    d = json.loads(path.read_text())
+    d.update(replayed_rows=rows, n_samples=4, trace_args={"seed": 3})
+    path.write_text(json.dumps(d))
+    spec = ROOT / "benchmarks" / "results" / "engine" / "cost_serving_cpu_policy.json"
+    slow = get_preset(str(spec))
+    slow = slow.with_overrides(step_overhead_s=slow.step_overhead_s * 3)
+    costs = []
+    for name, m in (("fast", get_preset(str(spec))), ("slow", slow)):
+        f = tmp_path / name / f"cost_{model.name}.json"
+        f.parent.mkdir()
+        f.write_text(json.dumps({"benchmark": "engine_step_costs_rollout", "model": str(model), "engine_kind": "war_index",
+                                 "cost_model": m.to_dict()}))
+        out = tmp_path / name / "validation.json"
+        assert vs.main([str(path), "--cost-models", str(f), "--json", str(out)]) == 0
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["prediction"] == "re-simulated"
+        costs.append({r["config"]: r["simulated_step_s"] for r in run["rows"]})
+    assert costs[1]["war"] > 1.5 * costs[0]["war"] and costs[1]["openrlhf"] > 1.5 * costs[0]["openrlhf"]

@@ -754,6 +754,9 @@ def main(argv=None):
                # what re-creates the trace workload (tools/resimulate_rollout.py reads it)
                "trace_args": {"max_groups": args.max_groups, "seed": args.seed, "tool_latency": args.tool_latency,
                               "tool_jitter": args.tool_jitter, "per_env_token": args.per_env_token},
+               # a task workload's recorded episodes, as every configuration replayed them: the
+               # simulator re-runs them with any cost model (tools/resimulate_rollout.py)
+               "replayed_rows": rows if equal_work else None,
                **extra}
         write_json(args.json, out)
 

@@ -29,11 +29,19 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
     from transformers import AutoTokenizer
 
     workload = d.get("workload") or ""
+    ta = d.get("trace_args")
+    if d.get("replayed_rows"):  # a task workload's recorded episodes, kept in the run's file
+        rows = d["replayed_rows"]
+        tok = AutoTokenizer.from_pretrained(d["model"])
+        modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
+        return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], (ta or {}).get("seed", 0)),
+                                   cost_model, d["engines"], d["kv_tokens_per_engine"], modelled, plain_cost_model,
+                                   bool(d.get("same_engines")), d.get("war_engines", "auto"), suffix_cost_model)
     if not workload.startswith("traces:"):
-        raise ValueError(f"workload {workload!r} is not a trace workload (its trajectories are not recorded)")
+        raise ValueError(f"workload {workload!r} is not a trace workload and its file keeps no replayed episodes "
+                         "(task runs keep them since bench_rollout recorded 'replayed_rows')")
     if traces_root is not None:
         workload = "traces:" + str(traces_root / workload.split(":", 1)[1])
-    ta = d.get("trace_args")
     if ta is None:  # a run written before bench_rollout recorded them: its command line has them
         cmd = d["command"].split()
         opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}

@@ -15,9 +15,10 @@ vLLM's suffix engines, ``fit_rollout_costs.py --kind vllm_suffix``, ``openrlhf_v
 run is re-simulated: every measured configuration with the run's trajectories,
 tool delays, KV and the configuration's measured speculation (tokens per verification step,
 acceptance, speculating fraction); the step time and the gain over ``openrlhf`` it predicts are
-set beside the measured ones. A task run replays episodes it recorded in the run and keeps no
-copy of them: its prediction is the one ``bench_rollout --cost-model`` made in the run (used when
-made with the same cost model), else it is listed as skipped, with the reason. Configurations
+set beside the measured ones. A task run replays episodes it recorded in the run; one whose
+file keeps them (``replayed_rows``) is re-simulated the same way, an older one is represented
+by the prediction ``bench_rollout --cost-model`` made in the run (used when made with the same
+cost model), else it is listed as skipped, with the reason. Configurations
 the simulator has no model of (vLLM request priorities) are listed per run.
 
 The errors are reported two ways: of the gain over OpenRLHF's path (what war-predict's table
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
             continue
         plain = plain_costs.get(Path(d.get("model", "")).name)
         suffix = suffix_costs.get(Path(d.get("model", "")).name)
-        if (d.get("workload") or "").startswith("traces:"):
+        if (d.get("workload") or "").startswith("traces:") or d.get("replayed_rows"):
             sim, source = resimulate(d, str(ROOT / cost), args.traces_root,
                                      None if plain is None else str(ROOT / plain),
                                      None if suffix is None else str(ROOT / suffix)), "re-simulated"
