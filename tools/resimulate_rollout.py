@@ -31,28 +31,26 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
     workload = d.get("workload") or ""
     ta = d.get("trace_args")
     if d.get("replayed_rows"):  # a task workload's recorded episodes, kept in the run's file
-        rows = d["replayed_rows"]
-        tok = AutoTokenizer.from_pretrained(d["model"])
-        modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
-        return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], (ta or {}).get("seed", 0)),
-                                   cost_model, d["engines"], d["kv_tokens_per_engine"], modelled, plain_cost_model,
-                                   bool(d.get("same_engines")), d.get("war_engines", "auto"), suffix_cost_model)
-    if not workload.startswith("traces:"):
-        raise ValueError(f"workload {workload!r} is not a trace workload and its file keeps no replayed episodes "
-                         "(task runs keep them since bench_rollout recorded 'replayed_rows')")
-    if traces_root is not None:
-        workload = "traces:" + str(traces_root / workload.split(":", 1)[1])
-    if ta is None:  # a run written before bench_rollout recorded them: its command line has them
-        cmd = d["command"].split()
-        opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}
-        ta = {"max_groups": int(opt.get("--max-groups", 0)) or None, "seed": int(opt.get("--seed", 0)),
-              "tool_latency": float(opt.get("--tool-latency", 0.05)), "tool_jitter": float(opt.get("--tool-jitter", 0.5)),
-              "per_env_token": float(opt.get("--per-env-token", 0.0))}
-    rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"], ta["tool_jitter"],
-                             ta["per_env_token"])
+        rows, seed = d["replayed_rows"], (ta or {}).get("seed", 0)
+    else:
+        if not workload.startswith("traces:"):
+            raise ValueError(f"workload {workload!r} is not a trace workload and its file keeps no replayed episodes "
+                             "(task runs keep them since bench_rollout recorded 'replayed_rows')")
+        if traces_root is not None:
+            workload = "traces:" + str(traces_root / workload.split(":", 1)[1])
+        if ta is None:  # a run written before bench_rollout recorded them: its command line has them
+            cmd = d["command"].split()
+            opt = {k: cmd[i + 1] for i, k in enumerate(cmd[:-1]) if k.startswith("--")}
+            ta = {"max_groups": int(opt.get("--max-groups", 0)) or None, "seed": int(opt.get("--seed", 0)),
+                  "tool_latency": float(opt.get("--tool-latency", 0.05)),
+                  "tool_jitter": float(opt.get("--tool-jitter", 0.5)),
+                  "per_env_token": float(opt.get("--per-env-token", 0.0))}
+        rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"],
+                                 ta["tool_jitter"], ta["per_env_token"])
+        seed = ta["seed"]
     tok = AutoTokenizer.from_pretrained(d["model"])
     modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
-    return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], ta["seed"]),
+    return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], seed),
                                cost_model, d["engines"], d["kv_tokens_per_engine"], modelled, plain_cost_model,
                                bool(d.get("same_engines")), d.get("war_engines", "auto"), suffix_cost_model)
 
