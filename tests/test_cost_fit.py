@@ -131,6 +131,18 @@ def test_spec_costs_are_fitted_on_top_of_the_plain_model():
     assert report["max_relative_error"] < 1e-6
     with pytest.raises(ValueError, match="at least 2 drafting runs"):
         fit_spec_costs(base, runs[:1])
+    # weights: exact runs are fitted exactly whatever their weights; a noisy run weighed heavily
+    # is fitted closer than with equal weights; a weight that is not positive is refused
+    weighted, _ = fit_spec_costs(base, runs, weights=[float(i + 1) for i in range(len(runs))])
+    assert weighted.spec_step_s == pytest.approx(4e-4, rel=1e-6)
+    noisy = [SpecRun(StepRun("spec", r.plain.steps, r.plain.decode_seqs, r.plain.context_tokens, 0,
+                             r.plain.seconds * (1.3 if i == 0 else 1.0)), r.spec_steps, r.draft_tokens)
+             for i, r in enumerate(runs)]
+    _, even = fit_spec_costs(base, noisy)
+    _, heavy = fit_spec_costs(base, noisy, weights=[50.0] + [1.0] * (len(noisy) - 1))
+    assert abs(heavy["runs"][0]["ratio"] - 1.0) < abs(even["runs"][0]["ratio"] - 1.0)
+    with pytest.raises(ValueError, match="weights"):
+        fit_spec_costs(base, runs, weights=[1.0, -1.0] + [1.0] * (len(runs) - 2))
 
 
 def test_both_cost_fits_price_a_shape_the_same_way():

@@ -193,8 +193,8 @@ def test_a_task_run_that_keeps_its_replayed_episodes_is_re_simulated_with_any_co
     for name, m in (("fast", get_preset(str(spec))), ("slow", slow)):
         f = tmp_path / name / f"cost_{model.name}.json"
         f.parent.mkdir()
-        f.write_text(json.dumps({"benchmark": "engine_step_costs_rollout", "model": str(model), "engine_kind": "war_index",
-                                 "cost_model": m.to_dict()}))
+        f.write_text(json.dumps({"benchmark": "engine_step_costs_rollout", "model": str(model),
+                                 "engine_kind": "war_index", "cost_model": m.to_dict()}))
         out = tmp_path / name / "validation.json"
         assert vs.main([str(path), "--cost-models", str(f), "--json", str(out)]) == 0
         run = json.loads(out.read_text())["runs"][0]

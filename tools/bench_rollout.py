@@ -678,11 +678,12 @@ def main(argv=None):
             engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
-    plain_handles = None
+    plain_sets = []  # war_plain_engines: plain engine sets of their own
     for name in (c for c in configs if c in PLAIN_ENGINE_CONFIGS):
         plain_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": "none"}}
         plain_handles = create_war_engines(args.engines, RolloutConfig(**{**plain_kwargs, "engine": {
             **plain_kwargs["engine"], "kv_capacity_tokens": kv_tokens}}).engine, placement_group=True)
+        plain_sets.append(plain_handles)
         run_war(plain_handles, plain_kwargs, name, prompts, labels, n, tokenizer, agent_cls)  # warm-up, as above
         engine_set[name] = plain_handles
         runners[name] = (lambda name=name, h=plain_handles, kw=plain_kwargs: run_war(
@@ -724,7 +725,7 @@ def main(argv=None):
             print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
                   f"{out['generated_tokens']} tokens; CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest),
                   file=sys.stderr, flush=True)
-    for hs in (handles, plain_handles):
+    for hs in (handles, *plain_sets):
         for h in hs or ():
             ray.get(h.shutdown.remote())
             ray.kill(h)

@@ -24,7 +24,9 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
     """The simulator's step and gain over ``openrlhf`` for every configuration of a finished
     ``bench_rollout`` trace run ``d``: the run's trajectories, tool delays, KV and measured
     speculation, ``cost_model``'s engines (``plain_cost_model``'s / ``suffix_cost_model``'s for the
-    configurations that ran on plain engines / vLLM's suffix engines, when given). ValueError for a run that is not a trace workload."""
+    configurations that ran on plain engines / vLLM's suffix engines, when given). A task run whose
+    file keeps its replayed episodes (``replayed_rows``) is re-simulated from them; ValueError for
+    another run that is not a trace workload."""
     import bench_rollout as br
     from transformers import AutoTokenizer
 

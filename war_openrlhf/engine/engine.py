@@ -55,9 +55,7 @@ def computed_prompt_tokens(iteration_stats: Any) -> int:
     prompt token of the requests whose prefill ended, the prefix-cached ones too, so a step
     regression on it prices a prefilled token at a tenth of its cost where nine in ten hit the
     cache, and the dispatcher then moves turns away from their cached context for almost nothing."""
-    stats = getattr(iteration_stats, "prompt_token_stats", None)
-    computed = getattr(stats, "computed", None)
-    return int(iteration_stats.num_prompt_tokens if computed is None else computed)
+    return int(iteration_stats.prompt_token_stats.computed)
 
 
 class _SchedulerStatsLogger:

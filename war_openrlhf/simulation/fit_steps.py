@@ -159,8 +159,10 @@ def fit_rollout_steps(runs: Sequence[Sequence[Any]], *, kind: str, engines_per_r
     if not engines:
         unnamed = [str(e.path) for run in runs for e in run
                    if e.header.get("engine_kind") == "speculative" and "drafter" not in e.header]
-        hint = (f"; {len(unnamed)} speculative engine(s) were recorded before records named their drafter "
-                f"(e.g. {unnamed[0]}): fit them as 'speculative' or record again") if unnamed and kind in DRAFTERS else ""
+        hint = ""
+        if unnamed and kind in DRAFTERS:
+            hint = (f"; {len(unnamed)} speculative engine(s) were recorded before records named their drafter "
+                    f"(e.g. {unnamed[0]}): fit them as 'speculative' or record again")
         raise ValueError(f"runs: no {kind} engine among the step records "
                          f"({', '.join(str(e.path) for run in runs for e in run) or 'none'}){hint}")
     tables = [step_table(run, engines_per_run, kind) for run in runs if run]
