@@ -236,3 +236,16 @@ def test_the_rollout_engine_tax_pairs_each_repeat_and_states_the_target():
     assert "missed on the median repeat" in text
     d["configs"]["war_sched_only"]["step_s_runs"] = [10.1, 9.9, 10.0]
     assert "met on the median repeat" in rollout_engine_tax(d)
+
+
+def test_the_price_ablation_pairs_each_repeat_and_names_the_fastest_router():
+    from war_openrlhf.metrics.docs_renderers import rollout_price_ablation
+
+    d = {"configs": {"war": {"step_s": 10.0, "step_s_runs": [10.0, 12.0, 8.0]},
+                     "war_all_prompt_price": {"step_s": 11.0, "step_s_runs": [11.0, 12.0, 6.0]},
+                     "war_sticky": {"step_s": 9.0}, "war_dynamo_kv": {"step_s": 10.5}}}
+    text = rollout_price_ablation(d)
+    assert "per repeat: 0.75, 1.00, 1.10 (median 1.00; median step over median step 1.10" in text
+    assert "(`war_sticky`, median step over median step): `war` 0.90x, `war_all_prompt_price` 0.82x" in text
+    del d["configs"]["war_sticky"], d["configs"]["war_dynamo_kv"]
+    assert "router" not in rollout_price_ablation(d)

@@ -263,6 +263,16 @@ def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
         assert (state.step_s, state.step_per_seq_s, state.prefill_token_s) == (
             load["step_s"], load["step_per_seq_s"], load["prefill_token_s"])
         assert state.waiting <= e.in_flight and state.running + state.waiting == e.in_flight
+        # the ablation of the meter's fix: the fit over vLLM's cached-inclusive prompt count
+        alt = load["all_prompt"]
+        assert set(alt) == {"step_s", "step_per_seq_s", "prefill_token_s"} and min(alt.values()) >= 0
+        e.step_cost_source = "all_prompt"
+        try:
+            state = e.dispatch_state()
+            assert (state.step_s, state.step_per_seq_s, state.prefill_token_s) == (
+                alt["step_s"], alt["step_per_seq_s"], alt["prefill_token_s"])
+        finally:
+            e.step_cost_source = "computed"
     stats = asyncio.run(pool.engine_stats())
     assert all(s.step_s > 0 or s.step_per_seq_s > 0 for s in stats)  # the report carries it too
     # WAR's dispatcher priced turns with the engines' measurements (not its turn-latency fallback)

@@ -117,4 +117,7 @@ def test_the_engine_meters_the_prompt_tokens_it_computed_not_those_the_prefix_ca
         assert it.num_prompt_tokens == 1000 and computed_prompt_tokens(it) == 104 + 128 * k
         logger.record(busy, it)
     assert [row[2] for row in logger.meter.samples] == [232.0, 360.0]  # the first output opens the window
+    # the fix's ablation meters the same steps on vLLM's count, cached tokens included
+    assert [row[2] for row in logger.meter_all_prompt.samples] == [1000.0, 1000.0]
+    assert [row[1] for row in logger.meter_all_prompt.samples] == [row[1] for row in logger.meter.samples]
     assert logger.totals["prompt_tokens"] == 3000  # the totals keep vLLM's count

@@ -43,6 +43,9 @@ Configurations (``--configs``):
   block-hash bookkeeping. Every WAR configuration records the dispatcher's estimate of each
   turn's cached prefix against the engine's report (``cache_estimate`` in the JSON: exact /
   over / under, both ways in tokens).
+* ``war_all_prompt_price``: ``war`` whose dispatcher prices prefill by the engines' step regression over
+  vLLM's prompt count *with* prefix-cached tokens (the step meter before it counted computed tokens
+  only): the ablation of that fix, on the same engines.
 * ``war_plain_engines``: ``war`` dispatch on an engine set of its own without a speculative config
   (``speculation: none``, what a pool that never drafts runs): against ``war_sched_only`` (the same
   dispatcher on WAR's drafting engines, drafting off) it measures the engines' tax in a rollout,
@@ -102,6 +105,7 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_finished_only": ("war", "auto"),  # war without in-flight sharing
     "war_longest_first": ("war", "auto"),  # war + each turn's vLLM priority from predicted remaining work
     "war_plain_engines": ("war", "off"),  # war dispatch on plain engines (speculation: none), a set of its own
+    "war_all_prompt_price": ("war", "auto"),  # war priced by the step fit over cached-inclusive prompt counts
 }
 #: configurations on an engine set of their own without a speculative config, beside the WAR engines
 #: (``--war-engines``): the engine tax of drafting engines with drafting off, measured in a rollout
@@ -111,6 +115,7 @@ NO_INFLIGHT_CONFIGS = ("war_finished_only",)
 #: of the run with priority scheduling (equal priorities then serve in arrival order, as fcfs does)
 PRIORITY_CONFIGS = ("war_longest_first",)
 KV_EVENT_CONFIGS = ("war_kv_events",)
+ALL_PROMPT_PRICE_CONFIGS = ("war_all_prompt_price",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
 
@@ -361,6 +366,9 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         kw["engine"] = {**dict(kw["engine"]), "scheduling_policy": "priority"}  # what the engines run
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)
     pool = RolloutPool(cfg, handles, tokenizer=tokenizer, agent_cls=agent_cls)
+    if name in ALL_PROMPT_PRICE_CONFIGS:
+        for client in pool.engines:
+            client.step_cost_source = "all_prompt"
     if name in PRIORITY_CONFIGS and _PRIORITY_SEED:  # fitted on the tasks this run does not replay
         import copy
 

@@ -75,6 +75,9 @@ class _SchedulerStatsLogger:
         }
         self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
         self.meter = StepMeter()  # the engine's own step cost, from its busy steps
+        # the same regression on vLLM's prompt count that includes prefix-cached tokens: what the
+        # meter read before it priced prefill by computed tokens, kept as that fix's ablation
+        self.meter_all_prompt = StepMeter()
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         t = self.totals
@@ -85,9 +88,10 @@ class _SchedulerStatsLogger:
                 "kv_cache_usage": float(scheduler_stats.kv_cache_usage),
             }
             if iteration_stats is not None:
-                self.meter.step(time.perf_counter(), int(iteration_stats.num_generation_tokens),
-                                computed_prompt_tokens(iteration_stats),
-                                busy_after=scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs > 0)
+                now, generated = time.perf_counter(), int(iteration_stats.num_generation_tokens)
+                busy = scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs > 0
+                self.meter.step(now, generated, computed_prompt_tokens(iteration_stats), busy_after=busy)
+                self.meter_all_prompt.step(now, generated, int(iteration_stats.num_prompt_tokens), busy_after=busy)
             pc = scheduler_stats.prefix_cache_stats
             if pc is not None:
                 t["prefix_cache_queries"] += pc.queries
@@ -110,8 +114,10 @@ class _SchedulerStatsLogger:
         if not step_cost:
             return dict(self.current)
         step_s, per_seq, per_prefill = self.meter.fit()
+        all_s, all_per_seq, all_prefill = self.meter_all_prompt.fit()
         return {**self.current, "step_s": step_s, "step_per_seq_s": per_seq, "prefill_token_s": per_prefill,
-                "step_samples": len(self.meter.samples)}
+                "step_samples": len(self.meter.samples),
+                "all_prompt": {"step_s": all_s, "step_per_seq_s": all_per_seq, "prefill_token_s": all_prefill}}
 
     def log_engine_initialized(self) -> None:
         pass

@@ -914,6 +914,26 @@ def rollout_engine_tax(d: dict) -> str:
     return " ".join(parts) + "\n"
 
 
+@renderer("rollout_price_ablation")
+def rollout_price_ablation(d: dict) -> str:
+    """The step meter's fix ablated: ``war`` (prefill priced by the tokens a step computed) against
+    ``war_all_prompt_price`` (by vLLM's prompt count with the prefix-cached tokens), each repeat's pair
+    run back to back; and each against the routers of the same run."""
+    c = d["configs"]
+    war, alt = c["war"], c["war_all_prompt_price"]
+    ratios = sorted(a / b for a, b in zip(alt["step_s_runs"], war["step_s_runs"]))
+    parts = [f"`war_all_prompt_price` step over `war` step, per repeat: {', '.join(f'{r:.2f}' for r in ratios)} "
+             f"(median {statistics.median(ratios):.2f}; median step over median step "
+             f"{alt['step_s'] / war['step_s']:.2f}: above 1, the fixed price is the faster)."]
+    routers = [r for r in ROUTER_CONFIGS if r in c]
+    if routers:
+        best = min(routers, key=lambda r: c[r]["step_s"])
+        parts.append(f"Against the fastest router of the run (`{best}`, median step over median step): `war` "
+                     f"{c[best]['step_s'] / war['step_s']:.2f}x, `war_all_prompt_price` "
+                     f"{c[best]['step_s'] / alt['step_s']:.2f}x.")
+    return " ".join(parts) + "\n"
+
+
 def _fraction_range(config: dict) -> str:
     fr = [f for f in (config.get("speculating_fraction") or []) if f is not None]
     return f"{100 * min(fr):.0f}-{100 * max(fr):.0f}%" if fr else "n/a"

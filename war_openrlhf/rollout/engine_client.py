@@ -123,6 +123,9 @@ class EngineClient:
         self.turns = 0
         self.last_stats = EngineStats(engine=index)
         self.load: dict[str, Any] = {}  # the engine's last load report (refresh_load): queue, KV, step cost
+        # which of the engine's step regressions prices prefill: "computed" (prefilled tokens) or
+        # "all_prompt" (vLLM's count with prefix-cached tokens: the meter before its fix, an ablation)
+        self.step_cost_source = "computed"
         self.load_at = 0.0  # monotonic time of the last queue report (a poll or a turn's answer)
         self.step_cost_at = 0.0  # ... and of the last step-cost report (polls only)
         self.on_dead: Any = None  # called once with this client when it is marked dead (the pool's recovery)
@@ -413,6 +416,8 @@ class EngineClient:
         used = int(usage * self.kv_capacity_tokens) if self.kv_capacity_tokens != UNKNOWN_KV_TOKENS else 0
         waiting = min(max(int(load.get("waiting", 0) or 0), 0), self.in_flight)
         stats = self.last_stats
+        if self.step_cost_source == "all_prompt" and isinstance(load.get("all_prompt"), dict):
+            load = {**load, **load["all_prompt"]}
         return EngineState(self.index, self.in_flight - waiting, waiting, self.queued_tokens, self.kv_capacity_tokens,
                            max(0, self.parked), self.healthy, self.kv_block_size,
                            step_s=float(load.get("step_s", stats.step_s) or 0.0),
