@@ -196,9 +196,14 @@ def test_the_validation_note_says_what_was_checked_and_whether_it_covers_this_pr
     mine = validation_note(f, cost="/somewhere/cost_serving_cpu_peaked.json")
     assert mine["validated"] is True and mine["cost_model_checked"] is True
     assert "within 12%" in mine["note"] and "20 comparisons" in mine["note"] and "met" in mine["note"]
+    assert "step time" not in mine["note"]  # an older file without it says nothing of it
     preset = validation_note(f, cost="h100_qwen7b")
     assert preset["validated"] is False and "fit yours" in preset["note"]
     f.write_text(json.dumps({"worst_abs_error": 0.4, "target_abs_error": 0.15, "comparisons": 20,
                              "cost_models": ["cost_serving_cpu_peaked.json"]}))
     worse = validation_note(f, cost="cost_serving_cpu_peaked.json")
     assert worse["validated"] is False and "missed" in worse["note"]
+    f.write_text(json.dumps({"worst_abs_error": 0.12, "worst_abs_step_error": 0.24, "target_abs_error": 0.15,
+                             "comparisons": 16, "cost_models": ["cost_serving_cpu_peaked.json"]}))
+    both = validation_note(f, cost="cost_serving_cpu_peaked.json")
+    assert "within 12%" in both["note"] and "step time within 24%" in both["note"] and both["worst_abs_step_error"] == 0.24
