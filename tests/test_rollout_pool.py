@@ -247,12 +247,20 @@ def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
     """Real engines measure their own steps (engine/step_meter.py) and the pool polls them every
     ``load_interval_s``: after a batch each engine has a step regression from its busy steps,
     the dispatcher's EngineState carries it with the waiting queue (never more than what is in
-    flight) and KV in use, and WAR's dispatcher priced turns with it, not with its fallback."""
-    pool.run_batch(["Question: what is 2+3?", "Find the status of flight AA12.", "Book seat 3A."],
-                   ["ok", "ok", "ok"])
+    flight) and KV in use, and WAR's dispatcher priced turns with it, not with its fallback. The
+    ablation's meter (vLLM's cached-inclusive prompt count) runs only on engines asked for it."""
     async def refresh():
         await asyncio.gather(*(e.refresh_load() for e in pool.engines))
 
+    assert all("all_prompt" not in (e.load or {}) for e in pool.engines)  # nobody asked: not reported
+    for e in pool.engines:
+        e.step_cost_source = "all_prompt"  # asked once: the engine meters the ablation from now on
+    asyncio.run(refresh())
+    assert all("all_prompt" in e.load for e in pool.engines)
+    for e in pool.engines:
+        e.step_cost_source = "computed"
+    pool.run_batch(["Question: what is 2+3?", "Find the status of flight AA12.", "Book seat 3A."],
+                   ["ok", "ok", "ok"])
     asyncio.run(refresh())
     for e in pool.engines:
         load = e.load
@@ -263,11 +271,14 @@ def test_engines_report_queue_kv_and_measured_step_cost_to_the_dispatcher(pool):
         assert (state.step_s, state.step_per_seq_s, state.prefill_token_s) == (
             load["step_s"], load["step_per_seq_s"], load["prefill_token_s"])
         assert state.waiting <= e.in_flight and state.running + state.waiting == e.in_flight
-        # the ablation of the meter's fix: the fit over vLLM's cached-inclusive prompt count
-        alt = load["all_prompt"]
-        assert set(alt) == {"step_s", "step_per_seq_s", "prefill_token_s"} and min(alt.values()) >= 0
+        # the ablation of the meter's fix: the fit over vLLM's cached-inclusive prompt count, measured
+        # over the batch's steps (its meter started when it was asked for, before the batch)
         e.step_cost_source = "all_prompt"
         try:
+            asyncio.run(refresh())
+            alt = e.load["all_prompt"]
+            assert set(alt) == {"step_s", "step_per_seq_s", "prefill_token_s"} and min(alt.values()) >= 0
+            assert alt["step_s"] > 0 or alt["step_per_seq_s"] > 0, alt
             state = e.dispatch_state()
             assert (state.step_s, state.step_per_seq_s, state.prefill_token_s) == (
                 alt["step_s"], alt["step_per_seq_s"], alt["prefill_token_s"])

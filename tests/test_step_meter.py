@@ -108,6 +108,8 @@ def test_the_engine_meters_the_prompt_tokens_it_computed_not_those_the_prefix_ca
 
     logger = _SchedulerStatsLogger(None)
     busy = SchedulerStats(num_running_reqs=2)
+    assert logger.meter_all_prompt is None and "all_prompt" not in logger.load()  # the ablation: unasked, off
+    assert logger.load(all_prompt=True)["all_prompt"] == {"step_s": 0.0, "step_per_seq_s": 0.0, "prefill_token_s": 0.0}
     for k in range(3):
         it = IterationStats()
         it.num_generation_tokens = 2

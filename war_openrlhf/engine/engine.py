@@ -75,9 +75,10 @@ class _SchedulerStatsLogger:
         }
         self.current = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
         self.meter = StepMeter()  # the engine's own step cost, from its busy steps
-        # the same regression on vLLM's prompt count that includes prefix-cached tokens: what the
-        # meter read before it priced prefill by computed tokens, kept as that fix's ablation
-        self.meter_all_prompt = StepMeter()
+        # the same regression on vLLM's prompt count that includes prefix-cached tokens (what the
+        # meter read before it priced prefill by computed tokens): that fix's ablation, metered only
+        # from the first load poll that asks for it, so no engine pays a second meter per step unasked
+        self.meter_all_prompt: StepMeter | None = None
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
         t = self.totals
@@ -91,7 +92,8 @@ class _SchedulerStatsLogger:
                 now, generated = time.perf_counter(), int(iteration_stats.num_generation_tokens)
                 busy = scheduler_stats.num_running_reqs + scheduler_stats.num_waiting_reqs > 0
                 self.meter.step(now, generated, computed_prompt_tokens(iteration_stats), busy_after=busy)
-                self.meter_all_prompt.step(now, generated, int(iteration_stats.num_prompt_tokens), busy_after=busy)
+                if self.meter_all_prompt is not None:
+                    self.meter_all_prompt.step(now, generated, int(iteration_stats.num_prompt_tokens), busy_after=busy)
             pc = scheduler_stats.prefix_cache_stats
             if pc is not None:
                 t["prefix_cache_queries"] += pc.queries
@@ -107,17 +109,23 @@ class _SchedulerStatsLogger:
             t["prompt_tokens"] += iteration_stats.num_prompt_tokens
             t["generation_tokens"] += iteration_stats.num_generation_tokens
 
-    def load(self, step_cost: bool = True) -> dict[str, Any]:
+    def load(self, step_cost: bool = True, all_prompt: bool = False) -> dict[str, Any]:
         """What the dispatcher reads: the latest queue and KV, and (``step_cost``) the measured
         step cost, a least-squares fit over the meter's window: the pool asks for it every tenth
-        poll only, since it moves over hundreds of steps while the queue moves every step."""
+        poll only, since it moves over hundreds of steps while the queue moves every step.
+        ``all_prompt``: also the fit over vLLM's cached-inclusive prompt count (the ablation of the
+        meter's fix; its meter starts with the first such poll)."""
+        if all_prompt and self.meter_all_prompt is None:
+            self.meter_all_prompt = StepMeter()
         if not step_cost:
             return dict(self.current)
         step_s, per_seq, per_prefill = self.meter.fit()
-        all_s, all_per_seq, all_prefill = self.meter_all_prompt.fit()
-        return {**self.current, "step_s": step_s, "step_per_seq_s": per_seq, "prefill_token_s": per_prefill,
-                "step_samples": len(self.meter.samples),
-                "all_prompt": {"step_s": all_s, "step_per_seq_s": all_per_seq, "prefill_token_s": all_prefill}}
+        out = {**self.current, "step_s": step_s, "step_per_seq_s": per_seq, "prefill_token_s": per_prefill,
+               "step_samples": len(self.meter.samples)}
+        if all_prompt:
+            all_s, all_per_seq, all_prefill = self.meter_all_prompt.fit()
+            out["all_prompt"] = {"step_s": all_s, "step_per_seq_s": all_per_seq, "prefill_token_s": all_prefill}
+        return out
 
     def log_engine_initialized(self) -> None:
         pass
@@ -567,13 +575,13 @@ class WarEngine:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out
 
-    async def load(self, step_cost: bool = True) -> dict[str, Any]:
+    async def load(self, step_cost: bool = True, all_prompt: bool = False) -> dict[str, Any]:
         """The engine's load for the dispatcher, cheap enough to poll every tenth of a second:
         running / waiting requests and KV usage as of its last step, and (``step_cost``) its
         measured step cost (``step_s + step_per_seq_s * sequences + prefill_token_s * prompt
-        tokens``; zeros until measured)."""
+        tokens``; zeros until measured); ``all_prompt``: the meter fix's ablation too."""
         logger = self._stats_logger
-        return logger.load(bool(step_cost)) if logger is not None else {}
+        return logger.load(bool(step_cost), bool(all_prompt)) if logger is not None else {}
 
     async def reset_index(self, owner: str | None = None, start_seq: int = 0) -> dict[str, Any]:
         """Start the replica afresh (an empty index) for the log of ``owner`` (a pool), whose next

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import statistics
 
-
 from .docs_tables import renderer, num, ints, spread_text, load_note, signed_pct, md_table, lookup
 from .report import spread
 

@@ -309,7 +309,8 @@ class EngineClient:
             return  # turns keep the queue fresh; the step cost is read every tenth poll
         try:
             # the step cost (a fit in the engine) only when due; the queue and KV every poll
-            report = await self._hot_call("load", not cost_fresh)
+            ask = (not cost_fresh, True) if self.step_cost_source == "all_prompt" else (not cost_fresh,)
+            report = await self._hot_call("load", *ask)  # the ablation's flag only when asked for
         except EngineDead:
             return
         if isinstance(report, dict):
