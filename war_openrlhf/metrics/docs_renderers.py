@@ -10,6 +10,7 @@ import statistics
 
 from .docs_tables import renderer, num, ints, spread_text, load_note, signed_pct, md_table, lookup
 from .report import spread
+from .vllm_metrics import request_step_yield
 
 # ---- speculation replay (tools/bench_speculation.py) --------------------------------
 SPEC_MAIN = ["none", "ngram", "per_engine_suffix", "war_global"]
@@ -581,39 +582,60 @@ DRAFTER_SHARE_TARGET, DRAFTER_TARGET_BATCH = 0.03, 32
 @renderer("engine_drafter")
 def engine_drafter(d: dict) -> str:
     """Per batch and configuration (tools/bench_engine.py): tokens/s, tokens per verification
-    step, and for the timed drafters (WAR's, and vLLM's own in files that time it) their time
-    per step and share of the engine's time."""
+    step (per step that carried a draft) and per decode step of a request (every step, with the
+    share of them that carried a draft), and for the timed drafters (WAR's, and vLLM's own in
+    files that time it) their time per step and share of the engine's time."""
     rows = []
     for name, runs in d["results"].items():
         for r in runs:
             us = r.get("drafter_step_us")
+            y = request_step_yield(r, d["new_tokens"]) if r.get("drafts") else {}
             rows.append([str(r["batch"]), f"`{name}`",
                          f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f})",
                          num(r.get("tokens_per_verification_step"), ".2f"),
+                         num(y.get("tokens_per_request_step"), ".3f"),
+                         "-" if y.get("drafted_step_share") is None else f"{100 * y['drafted_step_share']:.0f}%",
                          num(r["accepted_tokens"] / r["draft_tokens"] if r.get("draft_tokens") else None, ".2f"),
                          num(us["p50"] if us else None, ".0f"), num(us["mean"] if us else None, ".0f"),
                          "-" if r.get("drafter_share") is None else f"{100 * r['drafter_share']:.1f}%"])
     rows.sort(key=lambda row: int(row[0]))
-    return md_table(["batch", "config", "tok/s (min-max)", "tokens / verification step", "acceptance",
+    return md_table(["batch", "config", "tok/s (min-max)", "tokens / verification step",
+                     "tokens / request-step", "steps with a draft", "acceptance",
                      "drafter us / step p50", "mean", "drafter share of the engine's time"],
-                    ["r", "l", "r", "r", "r", "r", "r", "r"], rows)
+                    ["r", "l", "r", "r", "r", "r", "r", "r", "r", "r"], rows)
+
+
+def _against_vllm(res: dict, name: str, value, label: str) -> tuple:
+    """``(text, every batch at least vLLM's)``: one drafter's figure ``value(row)`` against
+    vLLM's suffix method's, batch by batch."""
+    pairs = [(a["batch"], value(a), value(b)) for a, b in zip(res[name], res["vllm_suffix"])]
+    ok = [w is not None and v is not None and w >= v for _, w, v in pairs]
+    return (f"`{name}` against `vllm_suffix`, {label} by batch: "
+            + ", ".join(f"{b}: {num(w, '.3f')} vs {num(v, '.3f')}" for b, w, v in pairs)
+            + f" (at least vLLM's at {sum(ok)} of {len(ok)} batches).", bool(ok) and all(ok))
 
 
 @renderer("engine_drafter_reading")
 def engine_drafter_reading(d: dict) -> str:
     """The drafting targets on this file: WAR's tokens per verification step against vLLM's
-    suffix method on the same requests, and the drafter's share of an engine step at batch 32."""
+    suffix method on the same requests, read per step that carried a draft and per decode step
+    of a request, and the drafter's share of an engine step at batch 32."""
     res = d["results"]
     parts = []
     if "vllm_suffix" in res:
-        for name in (n for n in res if n.startswith("war_on")):
-            pairs = [(a["batch"], a.get("tokens_per_verification_step"), b.get("tokens_per_verification_step"))
-                     for a, b in zip(res[name], res["vllm_suffix"])]
-            ok = [w is not None and v is not None and w >= v for _, w, v in pairs]
-            parts.append(f"`{name}` against `vllm_suffix`, tokens per verification step by batch: "
-                         + ", ".join(f"{b}: {num(w, '.2f')} vs {num(v, '.2f')}" for b, w, v in pairs)
-                         + f" (target >= vLLM's at every batch: {'met' if all(ok) else 'missed'}; at least vLLM's "
-                         f"at {sum(ok)} of {len(ok)} batches).")
+        wars = [n for n in res if n.startswith("war_on")]
+        per_draft = [_against_vllm(res, n, lambda r: r.get("tokens_per_verification_step"),
+                                   "tokens per verification step (per step that carried a draft)") for n in wars]
+        per_step = [_against_vllm(res, n, lambda r: request_step_yield(r, d["new_tokens"])["tokens_per_request_step"]
+                                  if r.get("drafts") else None,
+                                  "tokens per decode step of a request (every step, drafted or not)") for n in wars]
+        parts += [text for text, _ in per_draft]
+        parts.append("Target (tokens per verification step >= vLLM's at every batch, read per drafted step): "
+                     + ("met." if per_draft and all(ok for _, ok in per_draft) else "missed."))
+        parts += [text for text, _ in per_step]
+        parts.append("Per decode step of a request: "
+                     + ("at least vLLM's at every batch for every WAR drafter." if all(ok for _, ok in per_step)
+                        else "below vLLM's at some batch."))
     for name in (n for n in res if n.startswith("war_on")):
         at = [r for r in res[name] if r["batch"] == DRAFTER_TARGET_BATCH and r.get("drafter_share") is not None]
         if at:

@@ -33,3 +33,21 @@ def engine_spec_decode_counters(llm: Any) -> dict[str, float]:
         return {name: float(sum(child._value.get() for child in getattr(prom, f"counter_spec_decode_{name}").values()))
                 for name in SPEC_COUNTERS}
     return spec_decode_counters(llm)
+
+
+def request_step_yield(row: dict, new_tokens: int) -> dict[str, float | None]:
+    """Tokens a request gains per decode step, drafting or not, from a fixed-length run's
+    spec-decode counters: the per-draft figure (``1 + accepted / drafts``) rewards drafting
+    less often, so two drafters that draft in different shares of the steps compare only
+    here. ``row``: ``batch``, ``repeats`` (else the count of ``tokens_per_s_runs``) and
+    ``accepted_tokens`` / ``drafts`` summed over the runs, every request generating exactly
+    ``new_tokens`` (the first from its prefill, the rest from decode steps that each yield
+    one token plus what they accepted)."""
+    repeats = row.get("repeats") or len(row.get("tokens_per_s_runs") or ())
+    decoded = repeats * int(row["batch"]) * (int(new_tokens) - 1)
+    accepted = row.get("accepted_tokens") or 0
+    steps = decoded - accepted
+    if decoded <= 0 or steps <= 0:
+        return {"decode_request_steps": None, "tokens_per_request_step": None, "drafted_step_share": None}
+    return {"decode_request_steps": steps, "tokens_per_request_step": decoded / steps,
+            "drafted_step_share": (row.get("drafts") or 0) / steps}
