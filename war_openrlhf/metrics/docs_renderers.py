@@ -1364,3 +1364,67 @@ def cost_models(*docs: dict) -> str:
                      "prefill us/token", "drafting step ms", "draft token us", "draft context ns/token",
                      "contention", "fit's worst run error"],
                     ["l", "l", "r", "r", "r", "r", "r", "r", "r", "r", "r"], rows)
+
+
+# ---- where WAR stands on real engines (README) -----------------------------------------
+def _rollout_regime_key(d: dict) -> tuple:
+    """A bench_rollout file's regime: workload, reported half or seed, load and KV. Only reported
+    data belongs here (validation halves, held-out seeds): a tuning file raises, naming it."""
+    name = d["workload"].split("/")[-1]
+    seed = d.get("trace_args", {}).get("seed", 0)
+    if d.get("split") == "tuning" or (d.get("split") is None and seed in (1, 2)):
+        raise ValueError(f"real_engine_standing: {name} (written {d.get('written_at')}) is tuning data")
+    data = f"{d['split']} half" if d.get("split") else f"seed {seed}"
+    kv = "ample KV" if d.get("kv_tokens_per_engine") is None else f"KV pressure {d['pressure']:.1f}"
+    return name, data, d["regime"]["load"], d["regime"]["episodes_per_engine"], kv
+
+
+def _war_ratios(d: dict) -> dict:
+    """``war``'s median step against the others' (>1: war faster): openrlhf, vLLM's suffix
+    method, and the fastest router configuration of the WAR pool (with its name)."""
+    c = d["configs"]
+    war = c["war"]["step_s"]
+    out = {"openrlhf": c["openrlhf"]["step_s"] / war if "openrlhf" in c else None,
+           "vllm_suffix": c["openrlhf_vllm_suffix"]["step_s"] / war if "openrlhf_vllm_suffix" in c else None,
+           "router": None, "router_name": None}
+    routers = {r: c[r]["step_s"] for r in ROUTER_CONFIGS if r in c}
+    if routers:
+        best = min(routers, key=routers.get)
+        out["router"], out["router_name"] = routers[best] / war, best
+    return out
+
+
+@renderer("real_engine_standing")
+def real_engine_standing(*docs: dict) -> str:
+    """Every reported real-engine rollout run (bench_rollout files of validation halves and
+    held-out seeds), grouped by regime: ``war`` against OpenRLHF's own path, vLLM's suffix
+    method and the fastest other router, in the newest run of each regime and over all its runs
+    (the spread between runs of one regime is part of the answer)."""
+    groups: dict = {}
+    for d in docs:
+        groups.setdefault(_rollout_regime_key(d), []).append(d)
+    rows = []
+    for key, runs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][4])):
+        runs.sort(key=lambda d: d["written_at"])
+        ratios = [_war_ratios(d) for d in runs]
+        new = ratios[-1]
+
+        def cell(k: str) -> str:
+            vals = [r[k] for r in ratios if r[k] is not None]
+            if not vals:
+                return "-"
+            if new[k] is None:
+                head = "not run"
+            else:
+                head = f"{new[k]:.2f}" + (f" (`{new['router_name']}`)" if k == "router" else "")
+            if len(vals) == 1 and new[k] is not None:
+                return head
+            span = f"{min(vals):.2f}" if f"{min(vals):.2f}" == f"{max(vals):.2f}" else f"{min(vals):.2f}-{max(vals):.2f}"
+            return f"{head}; {span} over {len(vals)}"
+
+        name, data, load, per_engine, kv = key
+        rows.append([f"{name}, {data}", f"{load} ({per_engine:g} per engine), {kv}", str(len(runs)),
+                     f"`{runs[-1]['git']['commit'][:7]}`, {runs[-1]['repeats']} repeats",
+                     cell("openrlhf"), cell("vllm_suffix"), cell("router")])
+    return md_table(["workload", "load, KV", "runs", "newest run", "war x openrlhf: newest; range over runs",
+                     "x vLLM suffix", "x fastest other router"], ["l", "l", "r", "l", "r", "r", "r"], rows)

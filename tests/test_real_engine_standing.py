@@ -1,0 +1,52 @@
+"""The README's real-engine standing: every reported bench_rollout run grouped by regime, war
+against OpenRLHF, vLLM's suffix method and the fastest router, newest run and range over runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from war_openrlhf.metrics.docs_renderers import real_engine_standing
+
+
+def _run(when, steps, *, split="validation", seed=0, pressure=None, commit="abc1234", repeats=3,
+         workload="../shared/traces/tau_airline_dev.json"):
+    return {"workload": workload, "split": split, "trace_args": {"seed": seed},
+            "kv_tokens_per_engine": None if pressure is None else 1000, "pressure": pressure,
+            "regime": {"load": "high", "episodes_per_engine": 8.0}, "written_at": when,
+            "git": {"commit": commit + "0" * 33}, "repeats": repeats,
+            "configs": {c: {"step_s": s} for c, s in steps.items()}}
+
+
+def _rows(text):
+    return [x for x in text.splitlines() if x.startswith("| ") and not x.startswith("| workload")]
+
+
+def test_newest_run_of_a_regime_leads_and_the_range_covers_every_run():
+    old = _run("2026-01-01T00:00:00", {"openrlhf": 30.0, "war": 20.0, "war_sticky": 25.0}, pressure=2.0,
+               commit="old0000")
+    new = _run("2026-01-02T00:00:00", {"openrlhf": 24.0, "war": 20.0, "war_sticky": 22.0, "war_dynamo_kv": 18.0},
+               pressure=2.0, commit="new0000", repeats=5)
+    rows = _rows(real_engine_standing(new, old))  # file order does not decide which run is newest
+    assert len(rows) == 1
+    r = rows[0]
+    assert "| 2 | `new0000`, 5 repeats |" in r
+    assert "| 1.20; 1.20-1.50 over 2 |" in r  # 24/20 newest, 30/20 older
+    assert "| 0.90 (`war_dynamo_kv`); 0.90-1.25 over 2 |" in r  # the fastest router of each run
+    assert "| - |" in r  # vLLM's suffix method in no run
+
+
+def test_regimes_split_by_kv_and_a_comparison_missing_from_the_newest_run_says_so():
+    ample_old = _run("2026-01-01T00:00:00", {"openrlhf": 10.0, "openrlhf_vllm_suffix": 9.0, "war": 10.0})
+    ample_new = _run("2026-01-03T00:00:00", {"openrlhf": 10.0, "war": 12.5})
+    p2 = _run("2026-01-02T00:00:00", {"openrlhf": 20.0, "war": 10.0}, pressure=2.0)
+    rows = _rows(real_engine_standing(ample_old, p2, ample_new))
+    assert len(rows) == 2
+    ample = next(r for r in rows if "ample KV" in r)
+    assert "| 0.80; 0.80-1.00 over 2 |" in ample and "| not run; 0.90 over 1 |" in ample
+    assert "| 2.00 |" in next(r for r in rows if "KV pressure 2.0" in r)
+
+
+@pytest.mark.parametrize("bad", [dict(split="tuning"), dict(split=None, seed=2, workload="task:sql_qa")])
+def test_tuning_data_is_refused(bad):
+    with pytest.raises(ValueError, match="tuning data"):
+        real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 1.0, "war": 1.0}, **bad))
