@@ -683,3 +683,28 @@ def test_tiny_model_build_is_idempotent(model_path, tmp_path):
     with pytest.raises(ValueError, match="refusing"):
         build_tiny_model(foreign)
     assert (foreign / "keep.txt").read_text() == "mine"
+
+
+def test_a_fresh_vllm_suffix_cache_forgets_the_earlier_responses_and_keeps_its_settings():
+    """What a pool on vLLM-suffix engines and OpenRLHF's baseline run before each repeat: the cache
+    vLLM's drafter reads is replaced by an empty one of the same depth and size; a WAR replica
+    behind the drafter is left alone."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    from war_openrlhf.engine.worker_extension import fresh_vllm_suffix_cache
+
+    batch = _FakeBatch(rows=2)
+    prop = _proposer(SuffixDecodingCache(max_tree_depth=24, max_cached_requests=100))
+    w = _worker(prop, batch)
+    item = {"prompt": np.arange(1, 9, dtype="<i4").tobytes(), "response": np.arange(20, 40, dtype="<i4").tobytes()}
+    w.war_seed_vllm_suffix_cache([item, item])
+    pattern = np.arange(20, 26, dtype=np.int32)
+    prop.suffix_cache.start_request("probe", np.arange(1, 9, dtype=np.int32))
+    assert prop.suffix_cache.speculate("probe", pattern, max_spec_tokens=4).token_ids  # drafts from the seed
+    assert fresh_vllm_suffix_cache(w) == 3  # the two seeded and the probe (arctic caches from a request's start)
+    fresh = prop.suffix_cache
+    assert (fresh.max_tree_depth, fresh.max_cached_requests) == (24, 100) and not fresh.cached_requests
+    fresh.start_request("probe", np.arange(1, 9, dtype=np.int32))
+    assert not fresh.speculate("probe", pattern, max_spec_tokens=4).token_ids  # nothing left to draft from
+    w.war_install_index({}, None, "on")
+    assert fresh_vllm_suffix_cache(w) == 0 and prop.suffix_cache is w._war_suffix_cache  # a WAR replica stays

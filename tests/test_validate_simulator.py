@@ -85,6 +85,8 @@ import bench_rollout as br  # noqa: E402
     ("war_sched_only", False, "auto", "war_index"),     # drafting off, the speculative config stays
     ("war", False, "none", "plain"),
     ("war_plain_engines", False, "auto", "plain"),      # a plain engine set of its own beside WAR's
+    ("war_vllm_suffix_engines", False, "auto", "vllm_suffix"),  # WAR's dispatch, vLLM's own drafter
+    ("war_vllm_suffix_engines", False, "none", "vllm_suffix"),  # a set of its own whatever WAR's engines are
 ])
 def test_each_configuration_is_priced_as_the_engines_it_ran_on(name, same_engines, war_engines, kind):
     assert br.engine_kind(name, same_engines, war_engines) == kind

@@ -50,6 +50,11 @@ Configurations (``--configs``):
   (``speculation: none``, what a pool that never drafts runs): against ``war_sched_only`` (the same
   dispatcher on WAR's drafting engines, drafting off) it measures the engines' tax in a rollout,
   engine cores in their own processes, on the same work.
+* ``war_vllm_suffix_engines``: ``war`` dispatch on an engine set of its own whose engines draft by
+  vLLM's own suffix method (``speculation: vllm_suffix``; each run starts with their suffix caches
+  empty, as the index and ``openrlhf_vllm_suffix`` do): WAR's pool and dispatcher with the one-flag
+  drafter, against ``war`` (WAR's drafter) and ``openrlhf_vllm_suffix`` (OpenRLHF's path, the same
+  drafter).
 * ``war_sticky``, ``war_sglang_cache_aware``, ``war_dynamo_kv``, ``war_verl_kv_aware``: the
   WAR pool (speculation ``auto``) under verl's sticky, SGLang's cache-aware, NVIDIA Dynamo's
   KV and verl's KV-cache-aware routers, so the routers differ and nothing else.
@@ -105,11 +110,15 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_finished_only": ("war", "auto"),  # war without in-flight sharing
     "war_longest_first": ("war", "auto"),  # war + each turn's vLLM priority from predicted remaining work
     "war_plain_engines": ("war", "off"),  # war dispatch on plain engines (speculation: none), a set of its own
+    "war_vllm_suffix_engines": ("war", "on"),  # war dispatch on engines drafting by vLLM's suffix method, a set of its own
     "war_all_prompt_price": ("war", "auto"),  # war priced by the step fit over cached-inclusive prompt counts
 }
-#: configurations on an engine set of their own without a speculative config, beside the WAR engines
-#: (``--war-engines``): the engine tax of drafting engines with drafting off, measured in a rollout
-PLAIN_ENGINE_CONFIGS = ("war_plain_engines",)
+#: configurations on an engine set of their own, beside the WAR engines (``--war-engines``), and the
+#: engines' ``speculation``: without a speculative config (the engine tax of drafting engines with
+#: drafting off, measured in a rollout), or drafting by vLLM's own suffix method (WAR's dispatch with
+#: the one-flag drafter: which of the two decides a regime)
+OWN_ENGINE_SETS = {"war_plain_engines": "none", "war_vllm_suffix_engines": "vllm_suffix"}
+PLAIN_ENGINE_CONFIGS = tuple(c for c, spec in OWN_ENGINE_SETS.items() if spec == "none")
 NO_INFLIGHT_CONFIGS = ("war_finished_only",)
 #: configurations that order turns by vLLM request priority; their presence starts every WAR engine
 #: of the run with priority scheduling (equal priorities then serve in arrival order, as fcfs does)
@@ -228,6 +237,7 @@ def replay_trajectories(rows: list[dict], tokenizer, n: int, seed: int = 0) -> l
 SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("least_loaded", True),
                 "war": ("war", True), "war_spec_only": ("least_loaded", True), "war_sched_only": ("war", False),
                 "war_spec_on": ("war", True), "war_plain_engines": ("war", False),
+                "war_vllm_suffix_engines": ("war", True),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
                 "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True),
                 "war_kv_events": ("war", True)}
@@ -243,8 +253,8 @@ def engine_kind(name: str, same_engines: bool = False, war_engines: str = "auto"
         return "war_index" if same_engines and war_engines != "none" else "plain"
     if name == "openrlhf_vllm_suffix":
         return "vllm_suffix"
-    if name in PLAIN_ENGINE_CONFIGS:
-        return "plain"
+    if name in OWN_ENGINE_SETS:
+        return {"none": "plain", "vllm_suffix": "vllm_suffix"}[OWN_ENGINE_SETS[name]]
     return "plain" if war_engines == "none" else "war_index"
 
 
@@ -349,7 +359,10 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
 
     policy, mode = WAR_CONFIGS[name]
     ray.get([h.reset_prefix_cache.remote() for h in handles])  # the pool resets the suffix index
-    if cfg_kwargs["engine"].get("speculation", "auto") != "none":  # plain engines have no switch
+    speculation = cfg_kwargs["engine"].get("speculation", "auto")
+    if speculation == "vllm_suffix":  # each run starts without the earlier repeats' responses
+        ray.get([h.reset_vllm_suffix_cache.remote() for h in handles])
+    elif speculation != "none":  # plain engines and vLLM's own drafter have no switch
         ray.get([h.set_speculation.remote(mode) for h in handles])
     kw = dict(cfg_kwargs)
     if policy == "least_loaded":
@@ -574,7 +587,7 @@ def main(argv=None):
         raise SystemExit("--pressure: must be > 0")
     if args.free_sampling and not args.workload.startswith("task:"):
         raise SystemExit("--free-sampling: a traces: workload replays recorded lengths; the flag is for task: workloads")
-    drafting = [c for c in configs if c in WAR_CONFIGS and WAR_CONFIGS[c][1] != "off"]
+    drafting = [c for c in configs if c in WAR_CONFIGS and c not in OWN_ENGINE_SETS and WAR_CONFIGS[c][1] != "off"]
     if args.war_engines == "none" and drafting:
         raise SystemExit(f"--war-engines none: plain engines cannot draft, but {', '.join(drafting)} would; "
                          "run war_sched_only (and the openrlhf baselines) on them")
@@ -668,7 +681,7 @@ def main(argv=None):
 
     runners = {}
     engine_set = {}  # configuration -> the engine handles it runs on
-    war_names = [c for c in configs if c in WAR_CONFIGS and c not in PLAIN_ENGINE_CONFIGS]
+    war_names = [c for c in configs if c in WAR_CONFIGS and c not in OWN_ENGINE_SETS]
     handles = None
     if war_names or args.same_engines:
         if any(c in PRIORITY_CONFIGS for c in configs):
@@ -686,9 +699,9 @@ def main(argv=None):
             engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
-    plain_sets = []  # war_plain_engines: plain engine sets of their own
-    for name in (c for c in configs if c in PLAIN_ENGINE_CONFIGS):
-        plain_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": "none"}}
+    plain_sets = []  # OWN_ENGINE_SETS: engine sets of their own (plain, or vLLM's suffix method)
+    for name in (c for c in configs if c in OWN_ENGINE_SETS):
+        plain_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": OWN_ENGINE_SETS[name]}}
         plain_handles = create_war_engines(args.engines, RolloutConfig(**{**plain_kwargs, "engine": {
             **plain_kwargs["engine"], "kv_capacity_tokens": kv_tokens}}).engine, placement_group=True)
         plain_sets.append(plain_handles)

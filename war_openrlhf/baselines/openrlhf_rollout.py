@@ -283,20 +283,6 @@ def stop_openrlhf_engines(engines: Iterable[Any]) -> None:
             pass
 
 
-def _fresh_suffix_cache(worker: Any) -> int:
-    """In an engine's worker: replace vLLM's suffix drafter's cache by an empty one of the same
-    settings (what a WAR replica is at the start of a pool's run); returns the requests dropped."""
-    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    cache = getattr(drafter, "suffix_cache", None)
-    if cache is None:
-        return 0
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-    dropped = len(cache.cached_requests)
-    drafter.suffix_cache = SuffixDecodingCache(cache.max_tree_depth, cache.max_cached_requests)
-    return dropped
-
-
 def _reset_suffix_cache(actor: Any) -> int:
     # runs on a thread of the (async) RolloutRayActor; the RPC runs on the actor's event loop,
     # the one vLLM's output handler lives on (started by the first request)
@@ -305,7 +291,9 @@ def _reset_suffix_cache(actor: Any) -> int:
     handler = getattr(actor.llm, "output_handler", None)
     if handler is None:
         return 0  # no request yet: the cache is still empty
-    job = asyncio.run_coroutine_threadsafe(actor.llm.collective_rpc(_fresh_suffix_cache), handler.get_loop())
+    from war_openrlhf.engine.worker_extension import fresh_vllm_suffix_cache
+
+    job = asyncio.run_coroutine_threadsafe(actor.llm.collective_rpc(fresh_vllm_suffix_cache), handler.get_loop())
     return sum(job.result(timeout=60))
 
 

@@ -536,6 +536,17 @@ class WarEngine:
         self.config.drafting.refuse_index_call("set_speculation")
         return await self._rpc(RPC_SET_MODE, mode)
 
+    async def reset_vllm_suffix_cache(self) -> int:
+        """Engines drafting by vLLM's own suffix method (``speculation: vllm_suffix``): empty its
+        cache of finished responses, as a WAR replica starts a run (a benchmark repeating one step
+        must not draft from the same prompts' earlier repeats); returns the responses dropped.
+        Other engines have no such cache: 0."""
+        if self.config.drafting.mode != "vllm_suffix" or self.llm is None:
+            return 0
+        from .worker_extension import fresh_vllm_suffix_cache
+
+        return int(sum(await self.llm.collective_rpc(fresh_vllm_suffix_cache)))
+
     async def set_switch(self, switch: Mapping[str, Any]) -> dict[str, Any]:
         """Replace the load-aware switch's settings (its measurements start afresh)."""
         self.config.drafting.refuse_index_call("set_switch")

@@ -93,7 +93,7 @@ from .step_trace import StepTrace
 from .suffix_cache import WarSuffixCache
 from .wire import entries_from_wire, tensors_from_wire, tokens_from_wire
 
-__all__ = ["SPEC_MODES", "WarWorkerExtension"]
+__all__ = ["SPEC_MODES", "WarWorkerExtension", "fresh_vllm_suffix_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -392,6 +392,22 @@ class WarWorkerExtension:
         if reset:
             cache.reset_stats()
         return out
+
+
+def fresh_vllm_suffix_cache(worker: Any) -> int:
+    """In an engine's worker (a ``collective_rpc`` callable, so engines without this extension take it
+    too): replace vLLM's own suffix drafter's cache by an empty one of the same settings, what a WAR
+    replica is at the start of a pool's run; returns the responses dropped (0 on an engine
+    that does not draft by vLLM's suffix method)."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    cache = getattr(drafter, "suffix_cache", None)
+    if cache is None or isinstance(cache, WarSuffixCache):
+        return 0
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    dropped = len(cache.cached_requests)
+    drafter.suffix_cache = SuffixDecodingCache(cache.max_tree_depth, cache.max_cached_requests)
+    return dropped
 
 
 def __getattr__(name: str) -> Any:
