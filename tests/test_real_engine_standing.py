@@ -50,3 +50,20 @@ def test_regimes_split_by_kv_and_a_comparison_missing_from_the_newest_run_says_s
 def test_tuning_data_is_refused(bad):
     with pytest.raises(ValueError, match="tuning data"):
         real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 1.0, "war": 1.0}, **bad))
+
+
+def test_the_suffix_engine_reading_pairs_each_repeat_with_its_neighbours():
+    from war_openrlhf.metrics.docs_renderers import rollout_suffix_engines
+
+    runs = {"openrlhf": [4.0, 4.4, 4.0], "openrlhf_vllm_suffix": [2.0, 2.2, 3.0], "war": [2.5, 2.5, 2.5],
+            "war_vllm_suffix_engines": [2.0, 2.0, 2.5]}
+    d = {"runs": {c: [{"step_s": x} for x in v] for c, v in runs.items()},
+         "configs": {c: {"step_s": sorted(v)[1]} for c, v in runs.items()}}
+    text = rollout_suffix_engines(d)
+    # medians: suffix 2.2, war 2.5, war on vLLM-suffix engines 2.0; per repeat 2.0/2.0, 2.2/2.0, 3.0/2.5
+    assert "`war_vllm_suffix_engines` 1.10x `openrlhf_vllm_suffix` (median step over median step; per repeat " \
+           "1.10 (1.00-1.20)" in text
+    assert "`war_vllm_suffix_engines` 1.25x `war` (median step over median step; per repeat 1.25 (1.00-1.25)" in text
+    assert "`war` 0.88x `openrlhf_vllm_suffix` in the same runs." in text
+    del d["configs"]["openrlhf"]
+    assert "`openrlhf`" not in rollout_suffix_engines(d)  # a comparison not run is not written

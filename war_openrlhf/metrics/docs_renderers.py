@@ -935,6 +935,31 @@ def rollout_engine_tax(d: dict) -> str:
     return " ".join(parts) + "\n"
 
 
+@renderer("rollout_suffix_engines")
+def rollout_suffix_engines(d: dict) -> str:
+    """WAR's pool and dispatcher with vLLM's own suffix drafter (``war_vllm_suffix_engines``) against
+    OpenRLHF's path with the same drafter (what the pool and dispatcher add) and against ``war`` (what
+    WAR's drafter and switch add on the same pool), per repeat (each repeat's runs back to back)."""
+    c = d["configs"]
+    se = "war_vllm_suffix_engines"
+    parts = []
+    for other, what in (("openrlhf_vllm_suffix", "OpenRLHF's path, the same drafter: what WAR's pool and "
+                                                 "dispatcher add"),
+                        ("war", "WAR's drafter and switch on the same pool and dispatcher: what vLLM's drafter "
+                                "gives instead"),
+                        ("openrlhf", "OpenRLHF's path without drafting")):
+        if other not in c:
+            continue
+        x = _x_runs(d, se, other)
+        med = c[other]["step_s"] / c[se]["step_s"]
+        parts.append(f"`{se}` {med:.2f}x `{other}` (median step over median step; per repeat "
+                     f"{spread_text(x, '.2f') if x else '-'}; {what}).")
+    if "war" in c and "openrlhf_vllm_suffix" in c:
+        parts.append(f"`war` {c['openrlhf_vllm_suffix']['step_s'] / c['war']['step_s']:.2f}x `openrlhf_vllm_suffix` "
+                     "in the same runs.")
+    return " ".join(parts) + "\n"
+
+
 @renderer("rollout_price_ablation")
 def rollout_price_ablation(d: dict) -> str:
     """The step meter's fix ablated: ``war`` (prefill priced by the tokens a step computed) against
