@@ -699,15 +699,15 @@ def main(argv=None):
             engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
                                                        agent_cls))
-    plain_sets = []  # OWN_ENGINE_SETS: engine sets of their own (plain, or vLLM's suffix method)
+    own_sets = []  # OWN_ENGINE_SETS: engine sets of their own (plain, or drafting by vLLM's suffix method)
     for name in (c for c in configs if c in OWN_ENGINE_SETS):
-        plain_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": OWN_ENGINE_SETS[name]}}
-        plain_handles = create_war_engines(args.engines, RolloutConfig(**{**plain_kwargs, "engine": {
-            **plain_kwargs["engine"], "kv_capacity_tokens": kv_tokens}}).engine, placement_group=True)
-        plain_sets.append(plain_handles)
-        run_war(plain_handles, plain_kwargs, name, prompts, labels, n, tokenizer, agent_cls)  # warm-up, as above
-        engine_set[name] = plain_handles
-        runners[name] = (lambda name=name, h=plain_handles, kw=plain_kwargs: run_war(
+        own_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": OWN_ENGINE_SETS[name]}}
+        own_handles = create_war_engines(args.engines, RolloutConfig(**{**own_kwargs, "engine": {
+            **own_kwargs["engine"], "kv_capacity_tokens": kv_tokens}}).engine, placement_group=True)
+        own_sets.append(own_handles)
+        run_war(own_handles, own_kwargs, name, prompts, labels, n, tokenizer, agent_cls)  # warm-up, as above
+        engine_set[name] = own_handles
+        runners[name] = (lambda name=name, h=own_handles, kw=own_kwargs: run_war(
             h, kw, name, prompts, labels, n, tokenizer, agent_cls))
     baseline_sets = []
     for name, method in BASELINES.items():
@@ -746,7 +746,7 @@ def main(argv=None):
             print(f"  {name} run {r}: {out['step_s']:.2f} s, {out['throughput_tok_s']:.0f} tok/s, "
                   f"{out['generated_tokens']} tokens; CPU s: " + ", ".join(f"{k} {v:.2f}" for k, v in busiest),
                   file=sys.stderr, flush=True)
-    for hs in (handles, *plain_sets):
+    for hs in (handles, *own_sets):
         for h in hs or ():
             ray.get(h.shutdown.remote())
             ray.kill(h)
