@@ -372,3 +372,31 @@ def test_log_entries_stay_queued_when_the_replica_fails_to_apply_them():
     asyncio.run(run())
     assert calls == [[1, 2, 3], [1, 2, 3]]
     assert engine._last_sync_error == "RuntimeError: worker busy"
+
+
+@pytest.mark.parametrize("speculation, rpc_answers, dropped, asked", [
+    ("vllm_suffix", [2, 1], 3, True),   # every worker's drop counted
+    ("auto", [2, 1], 0, False),         # a WAR replica is reset with the index, not here
+    ("none", [2, 1], 0, False),         # a plain engine has no suffix cache
+])
+def test_only_an_engine_on_vllms_suffix_method_empties_its_suffix_cache(speculation, rpc_answers, dropped, asked):
+    """``WarEngine.reset_vllm_suffix_cache`` sends the worker-side reset only where vLLM's own drafter
+    runs (its worker side: ``test_a_fresh_vllm_suffix_cache_forgets_the_earlier_responses...``)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from war_openrlhf.engine.worker_extension import fresh_vllm_suffix_cache
+
+    calls = []
+
+    class _LLM:  # the engine's AsyncLLM as far as this method uses it
+        async def collective_rpc(self, fn):
+            calls.append(fn)
+            return rpc_answers
+
+    cfg = EngineConfig.from_dict({"speculation": speculation})
+    fake = SimpleNamespace(config=cfg, llm=_LLM())
+    assert asyncio.run(WarEngine.reset_vllm_suffix_cache(fake)) == dropped
+    assert calls == ([fresh_vllm_suffix_cache] if asked else [])
+    fake.llm = None  # an engine shut down answers 0
+    assert asyncio.run(WarEngine.reset_vllm_suffix_cache(fake)) == 0

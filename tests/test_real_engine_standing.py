@@ -46,9 +46,10 @@ def test_regimes_split_by_kv_and_a_comparison_missing_from_the_newest_run_says_s
     assert "| 2.00 |" in next(r for r in rows if "KV pressure 2.0" in r)
 
 
-@pytest.mark.parametrize("bad", [dict(split="tuning"), dict(split=None, seed=2, workload="task:sql_qa")])
-def test_tuning_data_is_refused(bad):
-    with pytest.raises(ValueError, match="tuning data"):
+@pytest.mark.parametrize("bad", [dict(split="tuning"), dict(split=None, seed=2, workload="task:sql_qa"),
+                                 dict(split=None, seed=1, workload="task:sql_qa")])
+def test_data_other_than_the_reported_is_refused(bad):
+    with pytest.raises(ValueError, match="is not reported data: tuning data or another draw"):
         real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 1.0, "war": 1.0}, **bad))
 
 
@@ -67,3 +68,9 @@ def test_the_suffix_engine_reading_pairs_each_repeat_with_its_neighbours():
     assert "`war` 0.88x `openrlhf_vllm_suffix` in the same runs." in text
     del d["configs"]["openrlhf"]
     assert "`openrlhf`" not in rollout_suffix_engines(d)  # a comparison not run is not written
+
+
+def test_a_held_out_task_draw_is_accepted():
+    text = real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3,
+                                     workload="task:sql_qa"))
+    assert "| task:sql_qa, seed 3 |" in text and "| 2.00 |" in text

@@ -49,8 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
-from war_openrlhf.metrics.vllm_metrics import (SPEC_COUNTERS, engine_spec_decode_counters,  # noqa: E402
-                                              request_step_yield)
+from war_openrlhf.metrics.vllm_metrics import SPEC_COUNTERS, engine_spec_decode_counters  # noqa: E402
 
 CONFIGS = ("off", "vllm_suffix", "war_off", "war_on", "war_on_vllm_rule", "war_on_fixed_rule", "war_auto")
 # vLLM 0.29's SpeculativeConfig suffix defaults (suffix_decoding_max_tree_depth, _max_spec_factor,
@@ -177,9 +176,9 @@ def sweep(llms: dict, prompts, batches, new_tokens, repeats) -> dict:
             # tokens a request gains per verification (a step in which it carried a draft)
             row["tokens_per_verification_step"] = (1 + row["accepted_tokens"] / row["drafts"]
                                                    if row["drafts"] else None)
-            # ... and per decode step of a request, drafting or not (docs_renderers.request_step_yield)
+            # the runs behind the counters: per decode step of a request, drafting or not, follows from
+            # them (vllm_metrics.request_step_yield; the docs' table derives it there)
             row["repeats"] = repeats
-            row.update(request_step_yield(row, new_tokens))
             if name.startswith("war"):
                 st = llm.collective_rpc(RPC_INDEX_STATS, args=(True,))[0]
                 sw1 = st["switch"]
