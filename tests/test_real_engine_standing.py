@@ -74,3 +74,21 @@ def test_a_held_out_task_draw_is_accepted():
     text = real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3,
                                      workload="task:sql_qa"))
     assert "| task:sql_qa, seed 3 |" in text and "| 2.00 |" in text
+
+
+def test_runs_after_earlier_steps_on_the_same_prompts_are_a_regime_of_their_own():
+    from war_openrlhf.metrics.docs_renderers import rollout_regime
+
+    plain = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3, workload="task:sql_qa")
+    again = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, split=None, seed=3, workload="task:sql_qa")
+    again["regime"] = {**again["regime"], "history_steps": 1, "history_order": "reversed"}
+    rows = _rows(real_engine_standing(plain, again))
+    assert len(rows) == 2  # not one regime's two runs
+    assert any("after 1 step on the same prompts (reversed order)" in r and "| 3.00 |" in r for r in rows)
+    assert any("after" not in r and "| 2.00 |" in r for r in rows)
+    d = {**again, "episodes": 8, "engines": 2, "regime": {**again["regime"], "tool_latency": "instant"},
+         "machine": {}}
+    text = rollout_regime(d)
+    assert "the timed step after 1 earlier step on the same prompts (in reverse order" in text
+    plain_text = rollout_regime({**d, "regime": {**d["regime"], "history_steps": 0, "history_order": None}})
+    assert "earlier step" not in plain_text

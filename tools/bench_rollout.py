@@ -19,6 +19,15 @@ run (all episodes start together; the step ends when the last one ends); every c
 others' processes are stopped for its run, :mod:`war_openrlhf.metrics.paused_engines`, unless
 ``--keep-idle-engines-running``).
 
+Prompts that come back (``--history-steps K``): every run first makes K untimed steps on the same
+prompts (``--history-order reversed``: in the reverse order, so under OpenRLHF's placement a group
+returns to another engine, as it mostly does on a cluster of many engines; ``same``: the same
+order), each followed by what a weight sync does (prefix caches reset; the pool's policy
+version advanced), then the timed step: what each drafter kept of the earlier rollouts (WAR's
+index on every engine, vLLM's suffix cache on the engine that generated them) is what it drafts
+from, as in a later epoch. ``returned_share`` in each run: the share of the timed step's turns
+(OpenRLHF: prompts) on an engine that served the same prompt before.
+
 Configurations (``--configs``):
 
 * ``openrlhf``: OpenRLHF's path (:mod:`war_openrlhf.baselines.openrlhf_rollout`): its
@@ -352,7 +361,11 @@ def seed_priorities(spec: str, split: str, seed: int) -> None:
     print(f"longest-first predictor fitted on the {_OTHER_HALF[split]} half ({len(counts)} tasks)", flush=True)
 
 
-def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls):
+def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls, history=None):
+    """One timed step of configuration ``name`` on the WAR pool. ``history``: ``(prompts, labels,
+    steps)`` run first by the same pool, untimed, each followed by what a weight sync does (the
+    engines' prefix caches reset, the policy version advanced): the earlier steps of a run whose
+    prompts come back, as in a later epoch."""
     import ray
 
     from war_openrlhf.rollout import RolloutConfig, RolloutPool
@@ -386,6 +399,14 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         import copy
 
         pool.router.priorities = copy.deepcopy(_PRIORITY_SEED[0])
+    earlier: dict[str, set] = {}  # prompt -> engines that served it in the history steps
+    if history:
+        h_prompts, h_labels, steps = history
+        for _ in range(steps):
+            for t in pool.run_batch(h_prompts, h_labels).trajectories:
+                earlier.setdefault(t.prompt, set()).update(r.engine for r in t.turns)
+            ray.get([h.reset_prefix_cache.remote() for h in handles])  # new weights: the KV is stale
+            pool.advance_policy_version()
     before = asyncio.run(pool.engine_stats())
     res = pool.run_batch(prompts, labels)
     d = {}
@@ -415,6 +436,9 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls)
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
         "mean_reward": res.summary()["mean_reward"],
         "cache_estimate": cache_estimate_errors([r for t in res.trajectories for r in t.turns]),
+        # history: the share of this step's turns on an engine that served the same prompt before
+        "returned_share": (sum(r.engine in earlier.get(t.prompt, ()) for t in res.trajectories for r in t.turns)
+                           / max(1, sum(len(t.turns) for t in res.trajectories))) if history else None,
     }
 
 
@@ -462,7 +486,9 @@ def _vllm_counters(engines):
 
 
 def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, war_engines=False,
-                 vllm_suffix=False):
+                 vllm_suffix=False, history=None):
+    """One timed step of OpenRLHF's own path; ``history`` as in :func:`run_war` (vLLM's suffix
+    cache keeps the earlier steps' responses on the engine that generated them)."""
     import ray
 
     from war_openrlhf.baselines.openrlhf_rollout import reset_vllm_suffix_caches, run_openrlhf_rollout
@@ -475,6 +501,15 @@ def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, w
             ray.get([h.set_speculation.remote("off") for h in engines])
         ray.get([h.reset_prefix_cache.remote() for h in engines])
 
+    earlier: dict[str, set] = {}  # prompt -> engines that served it in the history steps
+    if history:
+        h_prompts, h_labels, steps = history
+        for _ in range(steps):
+            _, hst = run_openrlhf_rollout(engines, h_prompts, h_labels, tokenizer=tokenizer, n_samples_per_prompt=n,
+                                          max_new_tokens=None, max_len=max_len, temperature=temperature)
+            for p, e in zip(h_prompts, hst["placements"]):
+                earlier.setdefault(p, set()).add(e)
+            ray.get([e.reset_prefix_cache.remote() for e in engines])  # new weights: the KV is stale
     before = _vllm_counters(engines)
     exps, st = run_openrlhf_rollout(engines, prompts, labels, tokenizer=tokenizer, n_samples_per_prompt=n,
                                     max_new_tokens=None, max_len=max_len, temperature=temperature)
@@ -492,7 +527,10 @@ def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, w
             "acceptance": (d["vllm:spec_decode_num_accepted_tokens"] / d["vllm:spec_decode_num_draft_tokens"]
                            if d.get("vllm:spec_decode_num_draft_tokens") else None),
             "engine_turns": st.get("trajectories_per_engine"),
-            "mean_reward": sum(rewards) / len(rewards) if rewards else None}
+            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+            # history: the share of this step's prompts sent to an engine that served them before
+            "returned_share": (sum(e in earlier.get(p, ()) for p, e in zip(prompts, st["placements"]))
+                               / max(1, len(prompts))) if history else None}
 
 
 def _summarise(runs, base_step):
@@ -569,6 +607,13 @@ def main(argv=None):
     ap.add_argument("--keep-idle-engines-running", action="store_true",
                     help="leave the engine sets of the other configurations running (idle) during each run "
                          "(default: stopped, so that their idle CPU does not slow the measured one)")
+    ap.add_argument("--history-steps", type=int, default=0,
+                    help="steps every run makes on the same prompts before the timed one, untimed, each followed "
+                         "by what a weight sync does (prefix caches reset, policy version advanced): prompts that "
+                         "come back, as in a later epoch; each drafter keeps what it kept of them")
+    ap.add_argument("--history-order", choices=("reversed", "same"), default="reversed",
+                    help="the earlier steps' prompt order: reversed (under OpenRLHF's placement a prompt comes back "
+                         "to another engine, as it mostly does on a cluster of many engines) or the same")
     ap.add_argument("--same-engines", action="store_true",
                     help="run the openrlhf baseline on the WAR engines (speculation off, OpenRLHF's dispatch and "
                          "agent executor inside the engine actor) instead of starting OpenRLHF's own engine "
@@ -583,6 +628,8 @@ def main(argv=None):
             raise SystemExit(f"--configs: unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
     if args.engines < 1 or args.repeats < 1:
         raise SystemExit("--engines and --repeats must be >= 1")
+    if args.history_steps < 0:
+        raise SystemExit(f"--history-steps: must be >= 0, got {args.history_steps}")
     if args.pressure is not None and not args.pressure > 0:
         raise SystemExit("--pressure: must be > 0")
     if args.free_sampling and not args.workload.startswith("task:"):
@@ -656,6 +703,10 @@ def main(argv=None):
                       "skipped_episodes": sum(json.loads(r["label"]).get("skipped_episodes", 0) for r in rows)}
         tool_text = (f"the task's own tools, one free-sampled run replayed ({equal_work['episodes']} episodes, "
                      f"{equal_work['turns']} turns, {equal_work['forced_tokens']:,} forced tokens, tool times as recorded)")
+    history = None
+    if args.history_steps:
+        order = range(len(prompts) - 1, -1, -1) if args.history_order == "reversed" else range(len(prompts))
+        history = ([prompts[i] for i in order], [labels[i] for i in order], args.history_steps)
     agent_cls = load_agent_class(agent_file)
     engine_kw = dict(model=str(model), dtype=dtype, max_model_len=args.max_len, enforce_eager=not cuda,
                      speculation=args.war_engines,
@@ -698,7 +749,7 @@ def main(argv=None):
         for name in war_names:
             engine_set[name] = handles
             runners[name] = (lambda name=name: run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer,
-                                                       agent_cls))
+                                                       agent_cls, history))
     own_sets = []  # OWN_ENGINE_SETS: engine sets of their own (plain, or drafting by vLLM's suffix method)
     for name in (c for c in configs if c in OWN_ENGINE_SETS):
         own_kwargs = {**cfg_kwargs, "engine": {**dict(cfg_kwargs["engine"]), "speculation": OWN_ENGINE_SETS[name]}}
@@ -708,7 +759,7 @@ def main(argv=None):
         run_war(own_handles, own_kwargs, name, prompts, labels, n, tokenizer, agent_cls)  # warm-up, as above
         engine_set[name] = own_handles
         runners[name] = (lambda name=name, h=own_handles, kw=own_kwargs: run_war(
-            h, kw, name, prompts, labels, n, tokenizer, agent_cls))
+            h, kw, name, prompts, labels, n, tokenizer, agent_cls, history))
     baseline_sets = []
     for name, method in BASELINES.items():
         if name not in configs:
@@ -726,7 +777,7 @@ def main(argv=None):
         engine_set[name] = engines
         runners[name] = (lambda engines=engines, method=method: run_baseline(
             engines, prompts, labels, n, tokenizer, args.max_len, args.temperature, args.same_engines,
-            vllm_suffix=method == "suffix"))
+            vllm_suffix=method == "suffix", history=history))
     # the processes of every engine set, stopped while a configuration on another set runs
     trees = ({} if args.keep_idle_engines_running else
              {id(h): actor_process_trees(h) for h in {id(h): h for h in engine_set.values()}.values()})
@@ -760,7 +811,8 @@ def main(argv=None):
     episodes_per_engine = len(prompts) * n / args.engines
     regime = {"load": "low" if episodes_per_engine <= 4 else "high",  # low: <= 4 concurrent episodes/engine
               "episodes_per_engine": episodes_per_engine,
-              "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text}
+              "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text,
+              "history_steps": args.history_steps, "history_order": args.history_order if args.history_steps else None}
     def write(**extra):
         out = {"benchmark": "rollout", "cuda": cuda,
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,

@@ -864,7 +864,18 @@ def rollout_regime(d: dict) -> str:
         d.get("idle_engines"), "")
     return (f"Regime: {work}, {d['episodes']} episodes on {d['engines']} "
             f"engines (load {r['load']}, {r['episodes_per_engine']:g} per engine), {kv}, tools "
-            f"{r['tool_latency']}; median of {d['repeats']} in rotating order{idle} ({load_note(d)}).\n")
+            f"{r['tool_latency']}{_history_text(r)}; median of {d['repeats']} in rotating order{idle} "
+            f"({load_note(d)}).\n")
+
+
+def _history_text(regime: dict) -> str:
+    """The earlier steps on the same prompts a file's runs made before the timed one, if any."""
+    k = regime.get("history_steps") or 0
+    if not k:
+        return ""
+    order = {"reversed": "in reverse order", "same": "in the same order"}[regime["history_order"]]
+    return (f"; the timed step after {k} earlier step{'s' if k > 1 else ''} on the same prompts ({order}; "
+            f"prefix caches reset between steps, as a weight sync does)")
 
 
 def _cpu_groups(config: str, cpu: dict) -> dict:
@@ -1406,6 +1417,9 @@ def _rollout_regime_key(d: dict) -> tuple:
                          f"workloads seed {', '.join(map(str, REPORTED_TASK_SEEDS))})")
     data = f"{d['split']} half" if d.get("split") else f"seed {seed}"
     kv = "ample KV" if d.get("kv_tokens_per_engine") is None else f"KV pressure {d['pressure']:.1f}"
+    k = d["regime"].get("history_steps") or 0
+    if k:  # prompts that came back: a regime of its own
+        kv += f", after {k} step{'s' if k > 1 else ''} on the same prompts ({d['regime']['history_order']} order)"
     return name, data, d["regime"]["load"], d["regime"]["episodes_per_engine"], kv
 
 
