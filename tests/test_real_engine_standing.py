@@ -92,3 +92,21 @@ def test_runs_after_earlier_steps_on_the_same_prompts_are_a_regime_of_their_own(
     assert "the timed step after 1 earlier step on the same prompts (in reverse order" in text
     plain_text = rollout_regime({**d, "regime": {**d["regime"], "history_steps": 0, "history_order": None}})
     assert "earlier step" not in plain_text
+
+
+def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before():
+    from war_openrlhf.metrics.docs_renderers import rollout_history
+
+    def runs(steps, share):
+        return [{"step_s": s, "returned_share": share} for s in steps]
+
+    d = {"regime": {"history_steps": 2, "history_order": "same"},
+         "configs": {"openrlhf": {"step_s": 4.0}, "openrlhf_vllm_suffix": {"step_s": 3.0}, "war": {"step_s": 2.0}},
+         "runs": {"openrlhf": runs([4.0, 4.0, 4.0], 0.5), "openrlhf_vllm_suffix": runs([3.0, 2.0, 4.0], 0.5),
+                  "war": runs([2.0, 2.0, 2.0], 1.0)}}
+    text = rollout_history(d)
+    assert "`war` 1.50x `openrlhf_vllm_suffix` (median step over median step; per repeat 1.50 (1.00-2.00))" in text
+    assert "`war` 2.00x `openrlhf`" in text
+    assert "`openrlhf_vllm_suffix` 0.50 (0.50-0.50) of its prompts" in text and "`war` 1.00 (1.00-1.00) of its turns" in text
+    with pytest.raises(ValueError, match="history_steps"):
+        rollout_history({**d, "regime": {"history_steps": 0}})

@@ -610,3 +610,27 @@ def test_a_saved_pool_state_lets_a_new_pool_draft_at_its_first_batch(pool, tmp_p
     with pytest.raises(PoolStateError, match="state.json"):
         other.load_state(tmp_path / "nothing")
     assert other.log.last_seq == 0
+
+
+def test_forgetting_the_index_records_empties_every_replica_and_keeps_the_version(pool):
+    """The history ablation: after ``forget_index_records`` no replica, log or archive holds the
+    earlier batch's records, the policy version stays, and the next batch's records reach every
+    replica again (the replicas follow the log from where it was cut)."""
+    import ray
+
+    def replica_records(p):
+        return [ray.get(e.handle.stats.remote())["war"]["index"]["records"] for e in p.engines]
+
+    prompts = [f"Forget code {i}: what follows?" for i in range(2)]
+    p = _sibling(pool, n_samples_per_prompt=1, temperature=0.0)
+    p.run_batch(prompts, ["ok"] * len(prompts))
+    p.advance_policy_version()
+    turns = len(p.shipper.archive)
+    assert turns >= 2 and replica_records(p) == [turns] * len(p.engines)
+    version = p.policy_version
+    assert p.forget_index_records() == turns
+    assert replica_records(p) == [0] * len(p.engines)
+    assert len(p.shipper.archive) == 0 and len(p.log) == 0 and p.policy_version == version
+    res = p.run_batch(prompts, ["ok"] * len(prompts))
+    again = sum(len(t.turns) for t in res.trajectories)
+    assert replica_records(p) == [again] * len(p.engines) and len(p.shipper.archive) == again

@@ -55,6 +55,9 @@ Configurations (``--configs``):
 * ``war_all_prompt_price``: ``war`` whose dispatcher prices prefill by the engines' step regression over
   vLLM's prompt count *with* prefix-cached tokens (the step meter before it counted computed tokens
   only): the ablation of that fix, on the same engines.
+* ``war_no_history``: ``war`` whose index drops the earlier steps' records before the timed step
+  (``RolloutPool.forget_index_records``; with ``--history-steps``): what drafting from earlier
+  steps' rollouts adds, everything else equal.
 * ``war_plain_engines``: ``war`` dispatch on an engine set of its own without a speculative config
   (``speculation: none``, what a pool that never drafts runs): against ``war_sched_only`` (the same
   dispatcher on WAR's drafting engines, drafting off) it measures the engines' tax in a rollout,
@@ -121,6 +124,7 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_plain_engines": ("war", "off"),  # war dispatch on plain engines (speculation: none), a set of its own
     "war_vllm_suffix_engines": ("war", "on"),  # war dispatch on engines drafting by vLLM's suffix method, a set of its own
     "war_all_prompt_price": ("war", "auto"),  # war priced by the step fit over cached-inclusive prompt counts
+    "war_no_history": ("war", "auto"),  # war whose index forgets the earlier steps (--history-steps) at the timed one
 }
 #: configurations on an engine set of their own, beside the WAR engines (``--war-engines``), and the
 #: engines' ``speculation``: without a speculative config (the engine tax of drafting engines with
@@ -134,6 +138,9 @@ NO_INFLIGHT_CONFIGS = ("war_finished_only",)
 PRIORITY_CONFIGS = ("war_longest_first",)
 KV_EVENT_CONFIGS = ("war_kv_events",)
 ALL_PROMPT_PRICE_CONFIGS = ("war_all_prompt_price",)
+#: configurations whose index drops the earlier steps' records before the timed step: what keeping
+#: earlier steps' rollouts adds to ``war`` (vLLM's suffix cache keeps them on its own engine)
+NO_HISTORY_CONFIGS = ("war_no_history",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
 
@@ -407,6 +414,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
                 earlier.setdefault(t.prompt, set()).update(r.engine for r in t.turns)
             ray.get([h.reset_prefix_cache.remote() for h in handles])  # new weights: the KV is stale
             pool.advance_policy_version()
+        if name in NO_HISTORY_CONFIGS:
+            pool.forget_index_records()
     before = asyncio.run(pool.engine_stats())
     res = pool.run_batch(prompts, labels)
     d = {}
@@ -630,6 +639,8 @@ def main(argv=None):
         raise SystemExit("--engines and --repeats must be >= 1")
     if args.history_steps < 0:
         raise SystemExit(f"--history-steps: must be >= 0, got {args.history_steps}")
+    if not args.history_steps and any(c in NO_HISTORY_CONFIGS for c in configs):
+        raise SystemExit(f"--configs: {', '.join(NO_HISTORY_CONFIGS)} needs --history-steps >= 1 (nothing to forget)")
     if args.pressure is not None and not args.pressure > 0:
         raise SystemExit("--pressure: must be > 0")
     if args.free_sampling and not args.workload.startswith("task:"):

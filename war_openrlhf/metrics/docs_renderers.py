@@ -971,6 +971,33 @@ def rollout_suffix_engines(d: dict) -> str:
     return " ".join(parts) + "\n"
 
 
+@renderer("rollout_history")
+def rollout_history(d: dict) -> str:
+    """A run whose timed step came after earlier steps on the same prompts (``--history-steps``):
+    ``war`` against vLLM's suffix method per repeat, and where each configuration's timed step ran
+    against where its prompts ran before (vLLM's suffix cache drafts a prompt's earlier responses
+    only on the engine that generated them; WAR's index holds every engine's)."""
+    r, c = d["regime"], d["configs"]
+    if not r.get("history_steps"):
+        raise ValueError(f"{d.get('command', 'this file')}: not a run after earlier steps (regime.history_steps is 0)")
+    parts = []
+    for config, base in (("war", "openrlhf_vllm_suffix"), ("war", "openrlhf")):
+        if config in c and base in c:
+            x = _x_runs(d, config, base)
+            parts.append(f"`{config}` {c[base]['step_s'] / c[config]['step_s']:.2f}x `{base}` (median step over "
+                         f"median step; per repeat {spread_text(x, '.2f') if x else '-'}).")
+    shares = []
+    for config, runs in d["runs"].items():
+        s = [run["returned_share"] for run in runs if run.get("returned_share") is not None]
+        if s:
+            unit = "turns" if config.startswith("war") else "prompts"
+            shares.append(f"`{config}` {spread_text(spread(s), '.2f')} of its {unit}")
+    if shares:
+        parts.append("Share of the timed step on an engine that had served the same prompt in the earlier steps "
+                     f"(median (min-max) over repeats): {'; '.join(shares)}.")
+    return " ".join(parts) + "\n"
+
+
 @renderer("rollout_price_ablation")
 def rollout_price_ablation(d: dict) -> str:
     """The step meter's fix ablated: ``war`` (prefill priced by the tokens a step computed) against

@@ -73,6 +73,20 @@ class LogShipper:
         self.log.advance_policy_version(version)
         self.archive.advance_policy_version(version)
 
+    async def forget(self) -> int:
+        """Drop every record kept so far (the log's entries, the archive, every replica's index,
+        re-attached empty); the policy version stays. Returns the records the replicas held."""
+        dropped = len(self.archive)
+        self.log.truncate(self.log.last_seq)
+        archive = RecordArchive(self.archive.config)
+        archive.policy_version = self.archive.policy_version
+        self.archive = archive
+        self._wire.clear()
+        for e in self.engines:
+            if e.healthy:
+                await self.attach(e)
+        return dropped
+
     def _wire_after(self, seq: int) -> list[dict[str, Any]]:
         """The log's entries after ``seq`` in wire form (each entry encoded once)."""
         entries = self.log.read(seq)

@@ -204,6 +204,14 @@ class RolloutPool:
         self.policy.on_prefix_cache_reset()
         return version
 
+    def forget_index_records(self) -> int:
+        """Start the suffix index afresh on every engine: the log's records, the archive and every
+        replica dropped, the policy version kept. What an index without history across steps
+        drafts from at the start of a step (the ablation of drafting from earlier steps' rollouts);
+        for a job, a reset when the prompts change meaning (a new task set). Returns the records
+        the replicas held."""
+        return asyncio.run(self.shipper.forget())
+
     def save_state(self, directory) -> Any:
         """The pool's state beside a training checkpoint (:mod:`.checkpoint`)."""
         from .checkpoint import save_pool_state
