@@ -104,7 +104,11 @@ def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before()
          "configs": {"openrlhf": {"step_s": 4.0}, "openrlhf_vllm_suffix": {"step_s": 3.0}, "war": {"step_s": 2.0}},
          "runs": {"openrlhf": runs([4.0, 4.0, 4.0], 0.5), "openrlhf_vllm_suffix": runs([3.0, 2.0, 4.0], 0.5),
                   "war": runs([2.0, 2.0, 2.0], 1.0)}}
+    assert "war_no_history" not in rollout_history(d)
+    d["configs"]["war_no_history"] = {"step_s": 2.5}
+    d["runs"]["war_no_history"] = runs([2.5, 2.5, 3.0], 1.0)
     text = rollout_history(d)
+    assert "`war` 1.25x `war_no_history` (median step over median step; per repeat 1.25 (1.25-1.50); what drafting" in text
     assert "`war` 1.50x `openrlhf_vllm_suffix` (median step over median step; per repeat 1.50 (1.00-2.00))" in text
     assert "`war` 2.00x `openrlhf`" in text
     assert "`openrlhf_vllm_suffix` 0.50 (0.50-0.50) of its prompts" in text and "`war` 1.00 (1.00-1.00) of its turns" in text

@@ -981,11 +981,12 @@ def rollout_history(d: dict) -> str:
     if not r.get("history_steps"):
         raise ValueError(f"{d.get('command', 'this file')}: not a run after earlier steps (regime.history_steps is 0)")
     parts = []
-    for config, base in (("war", "openrlhf_vllm_suffix"), ("war", "openrlhf")):
+    for config, base, what in (("war", "openrlhf_vllm_suffix", ""), ("war", "openrlhf", ""),
+                               ("war", "war_no_history", "; what drafting from the earlier steps adds")):
         if config in c and base in c:
             x = _x_runs(d, config, base)
             parts.append(f"`{config}` {c[base]['step_s'] / c[config]['step_s']:.2f}x `{base}` (median step over "
-                         f"median step; per repeat {spread_text(x, '.2f') if x else '-'}).")
+                         f"median step; per repeat {spread_text(x, '.2f') if x else '-'}{what}).")
     shares = []
     for config, runs in d["runs"].items():
         s = [run["returned_share"] for run in runs if run.get("returned_share") is not None]
