@@ -114,3 +114,4 @@ def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before()
     assert "`openrlhf_vllm_suffix` 0.50 (0.50-0.50) of its prompts" in text and "`war` 1.00 (1.00-1.00) of its turns" in text
     with pytest.raises(ValueError, match="history_steps"):
         rollout_history({**d, "regime": {"history_steps": 0}})
+

@@ -1247,6 +1247,28 @@ def resume_check_reading(d: dict) -> str:
     return " ".join(parts)
 
 
+@renderer("soak_summary")
+def soak_summary(d: dict) -> str:
+    """A chaos soak (tools/soak.py): its checks, the faults injected and what each step trained on."""
+    checks = d["checks"]
+    rows = [[f"`{name}`", "passed" if ok else "**failed**"] for name, ok in checks.items()]
+    injected = d.get("faults_injected") or {}
+    hung = d.get("engine_hung") or {}
+    rows += [
+        ["steps, wall time", f"{d['steps']}, {d['wall_s']:.0f} s"],
+        ["tool faults injected", ", ".join(f"{k} {v}" for k, v in sorted(injected.items())) or "none"],
+        ["engine stopped (SIGSTOP)", f"after step {hung['at_step']}, {hung['t']:.0f} s in" if hung else "no"],
+        ["engines recovered", str(d["engines_recovered"])],
+        ["episodes (dumped), failed", f"{d['episodes']}, {d['failed_episodes']}"
+         + (f" ({', '.join(f'{k} {v}' for k, v in sorted(d['failed_by_reason'].items()))})"
+            if d.get("failed_by_reason") else "")],
+        ["GRPO groups dropped, per step", ", ".join(map(str, d["groups_dropped"])) or "-"],
+        ["samples trained on, per step", ", ".join(map(str, d["samples_per_step"])) or "-"],
+    ]
+    return (f"Soak {'passed' if d['ok'] else '**failed**'}.\n\n"
+            + md_table(["check / count", "result"], ["l", "l"], rows))
+
+
 # ---- the CPU demo's runs (war_openrlhf/cli/cpu_demo.py records) ------------------------------
 DEMO_MINUTES, DEMO_GIB, DEMO_TPV, DEMO_REWARD_GAIN, DEMO_SIDE_X = 10.0, 12.0, 1.5, 0.1, 1.3
 
