@@ -3,7 +3,6 @@ faults injected are named, not summed away."""
 
 from __future__ import annotations
 
-
 from war_openrlhf.metrics.docs_renderers import soak_summary
 
 
