@@ -9,7 +9,8 @@ agent):
   step raises (an error observation: the episode goes on), blocks past ``tool_timeout_s``
   (stopped at the deadline: the episode goes on), or returns garbage (a NaN reward: the
   agent's contract error, the episode fails and its GRPO group is dropped);
-- an engine hangs: at step ``--hang-at-step`` one WAR engine's actor process is stopped
+- an engine hangs: inside the rollout of step ``--hang-at-step`` (at a tool call of that step
+  or an earlier one, so that turns are in flight) one WAR engine's actor process is stopped
   (SIGSTOP) for ``--hang-s`` seconds; the pool's per-turn deadline (``turn_timeout_s``)
   declares it dead and re-dispatches its turns.
 
@@ -24,11 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,6 +39,10 @@ CHAOS_AGENT = '''
 """The calculator agent with injected tool faults (tools/soak.py)."""
 import asyncio, importlib.util, json, os, sys, time, zlib
 
+import signal, subprocess, threading
+
+from openrlhf.utils.agent import MultiTurnAgentExecutor
+
 _spec = importlib.util.spec_from_file_location("soak_base_agent", {base!r})
 _base = importlib.util.module_from_spec(_spec)
 sys.modules["soak_base_agent"] = _base
@@ -47,7 +50,9 @@ _spec.loader.exec_module(_base)
 FAULTS = {faults!r}
 SCHEDULE = {schedule!r}   # per call, by a hash of the action: raise / block / garbage / none
 BLOCK_S = {block_s!r}
-AgentExecutor = getattr(_base, "AgentExecutor", None)
+HANG = {hang!r}   # the n-th tool call of this process stops one engine for a while (once)
+_calls = [0]
+_calls_lock = threading.Lock()
 
 
 def _record(kind):
@@ -55,8 +60,38 @@ def _record(kind):
         fh.write(json.dumps({{"kind": kind, "t": time.time()}}) + "\\n")
 
 
+def _maybe_hang():
+    """At the HANG["at_call"]-th call: SIGSTOP one engine actor process (turns are in flight,
+    since this episode's tool runs inside a rollout), SIGCONT it HANG["seconds"] later."""
+    with _calls_lock:
+        _calls[0] += 1
+        if _calls[0] != HANG["at_call"]:
+            return
+    try:
+        fd = os.open(HANG["record"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return  # done once already
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(l.split()[0]) for l in ps.splitlines() if "ray::WarEngine" in l]
+    victim = pids[-1] if pids else None
+    if victim is not None:
+        os.kill(victim, signal.SIGSTOP)
+
+        def resume():
+            time.sleep(HANG["seconds"])
+            try:
+                os.kill(victim, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+        threading.Thread(target=resume, daemon=True).start()
+    os.write(fd, json.dumps({{"pid": victim, "t": time.time(), "call": _calls[0]}}).encode())
+    os.close(fd)
+
+
 class AgentInstance(_base.AgentInstance):
     async def step(self, states, **kwargs):
+        _maybe_hang()
         slot = zlib.crc32((states["observation_text"] + states["action_text"]).encode()) % 100
         kind = "none"
         for name, upto in SCHEDULE:
@@ -74,12 +109,12 @@ class AgentInstance(_base.AgentInstance):
             return {{"rewards": float("nan"), "scores": 0.0, "environment_feedback": "", "done": True,
                     "sampling_params": states.get("sampling_params"), "extra_logs": {{}}}}
         return await super().step(states, **kwargs)
+
+
+class AgentExecutor(MultiTurnAgentExecutor):  # runs this file's instances, not the base file's
+    def __init__(self):
+        super().__init__(AgentInstance)
 '''
-
-
-def _engine_pids() -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(l.split()[0]) for l in out.splitlines() if "ray::WarEngine" in l]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=str(ROOT / ".cache" / "war_demo_policy"),
                     help="the policy (default: the CPU demo's, built if missing)")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the agent file and its fault records are used by other processes
     if out.exists():
         import shutil
 
@@ -110,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     schedule = [("raise", 8), ("block", 12), ("garbage", 16)]  # 8% raise, 4% block, 4% garbage
     tool_timeout, turn_timeout = 2.0, 15.0
     agent = out / "chaos_agent.py"
-    agent.write_text(CHAOS_AGENT.format(base=str(ROOT / "examples" / "arithmetic_calculator" / "agent.py"),
-                                        faults=str(faults), schedule=schedule, block_s=tool_timeout + 4.0))
     cfg = yaml.safe_load((ROOT / "configs" / "cpu_demo.yaml").read_text())
     o = cfg["openrlhf"]
+    # every episode makes at least one tool call, so a few calls past the earlier steps' episodes
+    # land inside the rollout of step --hang-at-step or an earlier one
+    per_step = int(o["rollout.batch_size"]) * int(o["rollout.n_samples_per_prompt"])
+    hang_record = out / "engine_hung.json"
+    hang = {"at_call": (args.hang_at_step - 1) * per_step + 5, "seconds": args.hang_s, "record": str(hang_record)}
+    agent.write_text(CHAOS_AGENT.format(base=str(ROOT / "examples" / "arithmetic_calculator" / "agent.py"),
+                                        faults=str(faults), schedule=schedule, block_s=tool_timeout + 4.0,
+                                        hang=hang))
     o.update({"actor.model_name_or_path": str(Path(args.model).resolve()), "data.prompt_dataset": str(data),
               "data.max_samples": 8 * args.steps, "train.agent_func_path": str(agent),
               "logger.tensorboard_dir": str(out / "tensorboard"), "ckpt.path": str(out / "ckpt"),
@@ -124,43 +165,35 @@ def main(argv: list[str] | None = None) -> int:
     n = int(o["rollout.n_samples_per_prompt"])
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.time()
-    hung: dict = {}
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "war_openrlhf.cli.train_ppo", "--config", str(out / "config.yaml")],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        seen = 0
+        seen, printed_hang = 0, False
         while proc.poll() is None:
             time.sleep(0.25)
             steps = (out / "train.log").read_text(errors="replace").count("Global step ")
             if steps > seen:
                 seen = steps
                 print(f"  step {steps} done ({time.time() - t0:.0f} s)", flush=True)
-            if not hung and seen >= args.hang_at_step:
-                time.sleep(1.0)  # after the weight sync, inside the next step's generation
-                pids = _engine_pids()
-                if pids:
-                    victim = pids[-1]
-                    os.kill(victim, signal.SIGSTOP)
-                    hung.update(pid=victim, at_step=seen, t=time.time() - t0)
-                    print(f"  engine process {victim} stopped (SIGSTOP) for {args.hang_s:g} s", flush=True)
-
-                    def resume(pid=victim):
-                        time.sleep(args.hang_s)
-                        try:
-                            os.kill(pid, signal.SIGCONT)
-                        except ProcessLookupError:
-                            pass
-
-                    threading.Thread(target=resume, daemon=True).start()
+            if hang_record.exists() and not printed_hang:
+                printed_hang = True
+                print(f"  an engine process stopped (SIGSTOP) for {args.hang_s:g} s, {seen} steps done", flush=True)
     wall = time.time() - t0
     text = (out / "train.log").read_text(errors="replace")
-    report = check(out, n, proc.returncode, text, hung=bool(hung))
+    hung = json.loads(hang_record.read_text()) if hang_record.exists() else {}
+    if hung.get("pid"):  # the agent's own resume thread may have died with the trainer
+        try:
+            os.kill(hung["pid"], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        hung["t"] = round(hung["t"] - t0, 1)  # seconds into the run
+    report = check(out, n, proc.returncode, text, hung=bool(hung.get("pid")))
     injected = {}
     if faults.exists():
         for line in faults.read_text().splitlines():
             kind = json.loads(line)["kind"]
             injected[kind] = injected.get(kind, 0) + 1
-    report.update(steps=args.steps, wall_s=round(wall, 1), faults_injected=injected,
+    report.update(steps=args.steps, wall_s=round(wall, 1), faults_injected=injected, hang_s=args.hang_s,
                   engine_hung=hung, hung_engine_declared_dead="treated as hung" in text,
                   warm_up_episodes_not_dumped="the warm-up's episodes (one per engine) are not in the dumps")
     write_json(out / "soak.json", {"benchmark": "soak", **report}, indent=2)

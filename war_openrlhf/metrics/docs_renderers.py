@@ -1257,7 +1257,9 @@ def soak_summary(d: dict) -> str:
     rows += [
         ["steps, wall time", f"{d['steps']}, {d['wall_s']:.0f} s"],
         ["tool faults injected", ", ".join(f"{k} {v}" for k, v in sorted(injected.items())) or "none"],
-        ["engine stopped (SIGSTOP)", f"after step {hung['at_step']}, {hung['t']:.0f} s in" if hung else "no"],
+        ["engine stopped (SIGSTOP)", f"at tool call {hung['call']}, {hung['t']:.0f} s in, for {d['hang_s']:g} s"
+         if hung.get("pid") else "no"],
+        ["hung engine declared dead (turn deadline)", "yes" if d.get("hung_engine_declared_dead") else "no"],
         ["engines recovered", str(d["engines_recovered"])],
         ["episodes (dumped), failed", f"{d['episodes']}, {d['failed_episodes']}"
          + (f" ({', '.join(f'{k} {v}' for k, v in sorted(d['failed_by_reason'].items()))})"
