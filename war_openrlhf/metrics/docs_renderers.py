@@ -1255,7 +1255,7 @@ def soak_summary(d: dict) -> str:
     injected = d.get("faults_injected") or {}
     hung = d.get("engine_hung") or {}
     rows += [
-        ["steps, wall time", f"{d['steps']}, {d['wall_s']:.0f} s"],
+        ["GRPO steps requested, trained; wall time", f"{d['steps']}, {len(d['samples_per_step'])}; {d['wall_s']:.0f} s"],
         ["tool faults injected", ", ".join(f"{k} {v}" for k, v in sorted(injected.items())) or "none"],
         ["engine stopped (SIGSTOP)", f"at tool call {hung['call']}, {hung['t']:.0f} s in, for {d['hang_s']:g} s"
          if hung.get("pid") else "no"],
