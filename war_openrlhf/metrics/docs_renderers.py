@@ -922,8 +922,10 @@ def noroom_target(d: dict) -> str:
     worst = min(ratios, key=ratios.get)
     ok = all(v >= 0.98 for v in ratios.values())
     listed = ", ".join(f"`{c}` {v:.2f}x" for c, v in ratios.items())
+    drafting = _fraction_range(d["configs"]["war"])
+    drafting = f" `war`'s engines drafted in {drafting} of their steps." if drafting != "n/a" else ""
     return (f"`war` against each (median step over median step): {listed}. Target (>= 0.98x every one): "
-            f"{'met' if ok else f'missed, worst against `{worst}`'}.\n")
+            f"{'met' if ok else f'missed, worst against `{worst}`'}.{drafting}\n")
 
 
 @renderer("rollout_engine_tax")
@@ -1468,6 +1470,8 @@ def _rollout_regime_key(d: dict) -> tuple:
                          f"tuning data or another draw (trace files report their validation half, task "
                          f"workloads seed {', '.join(map(str, REPORTED_TASK_SEEDS))})")
     data = f"{d['split']} half" if d.get("split") else f"seed {seed}"
+    if str(d.get("model") or "").rstrip("/").endswith("/war_tiny_llama"):  # bench_rollout --model random
+        data += ", random-init model (nothing to draft)"
     kv = "ample KV" if d.get("kv_tokens_per_engine") is None else f"KV pressure {d['pressure']:.1f}"
     k = d["regime"].get("history_steps") or 0
     if k:  # prompts that came back: a regime of its own
