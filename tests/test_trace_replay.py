@@ -208,6 +208,8 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
         "--war-engines", "none", "--configs", "openrlhf,war,war_sched_only")
     assert "--war-engines none: the WAR engines are plain already" in refused(
         "--war-engines", "none", "--configs", "war_sched_only,war_plain_engines")
+    assert "--configs: war_no_history needs --history-steps >= 1" in refused("--configs", "war,war_no_history")
+    assert "--history-steps: must be >= 0, got -1" in refused("--history-steps", "-1")
     assert not (tmp_path / "o.json").exists()
 
 

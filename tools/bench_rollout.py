@@ -589,7 +589,8 @@ def main(argv=None):
     ap.add_argument("--json", required=True)
     ap.add_argument("--model", default=None,
                     help="policy | random | peaked | a model directory (default: policy for task:, peaked for traces:)")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated configurations (default: all; war_no_history only with --history-steps)")
     ap.add_argument("--n-samples", type=int, default=4)
     ap.add_argument("--low-prompts", type=int, default=1, help="prompts per engine at low load")
     ap.add_argument("--high-prompts", type=int, default=8, help="prompts per engine at high load")
@@ -631,7 +632,8 @@ def main(argv=None):
     kv.add_argument("--kv-tokens", type=int, help="KV-cache tokens per engine, every configuration")
     kv.add_argument("--pressure", type=float, help="live context per engine / KV capacity (calibrated)")
     args = ap.parse_args(argv)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    configs = ([c.strip() for c in args.configs.split(",") if c.strip()] if args.configs is not None else
+               [c for c in CONFIGS if args.history_steps or c not in NO_HISTORY_CONFIGS])
     for c in configs:
         if c not in CONFIGS:
             raise SystemExit(f"--configs: unknown configuration {c!r}; known: {', '.join(CONFIGS)}")
@@ -681,7 +683,7 @@ def main(argv=None):
     elif args.workload.startswith("traces:"):
         rows, agent_file = load_traces(args.workload, args.split, args.max_groups, args.seed, args.tool_latency,
                                        args.tool_jitter, args.per_env_token)
-        if any(c in PRIORITY_CONFIGS for c in args.configs.split(",")):
+        if any(c in PRIORITY_CONFIGS for c in configs):
             seed_priorities(args.workload, args.split, args.seed)
         trials = {len(json.loads(r["label"])["trials"]) for r in rows}
         n = min(trials)  # a GRPO group = the trials of one task
