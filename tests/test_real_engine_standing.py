@@ -116,7 +116,6 @@ def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before()
         rollout_history({**d, "regime": {"history_steps": 0}})
 
 
-
 def test_a_random_init_model_run_is_a_regime_of_its_own():
     trained = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3, workload="task:sql_qa")
     random = _run("2026-01-02T00:00:00", {"openrlhf": 1.0, "war": 1.25}, split=None, seed=3, workload="task:sql_qa")

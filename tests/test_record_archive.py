@@ -77,3 +77,12 @@ def test_archive_file_round_trip_and_refusals(tmp_path):
     (tmp_path / "junk.npz").write_text("not a zip")
     with pytest.raises(ArchiveFileError, match="junk.npz"):
         RecordArchive.load_records(tmp_path / "junk.npz")
+
+
+def test_clearing_keeps_the_version_and_the_archive_fills_again():
+    arch = RecordArchive(SuffixIndexConfig())
+    arch.extend([_rec(i, 2, 4, 6) for i in range(3)])
+    arch.clear()
+    assert len(arch) == 0 and arch.tokens == 0 and arch.records() == [] and arch.policy_version == 2
+    arch.add(_rec(7, 2, 4, 6))
+    assert len(arch) == 1 and arch.tokens == arch.records()[0].num_tokens

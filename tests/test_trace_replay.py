@@ -213,6 +213,26 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
     assert not (tmp_path / "o.json").exists()
 
 
+def test_returned_share_counts_placements_on_an_engine_that_served_the_prompt_before():
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("bench_rollout_share", ROOT / "tools" / "bench_rollout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.returned_share({"a": {0}, "b": {1}}, [("a", 0), ("b", 0), ("c", 1)]) == 1 / 3
+    assert mod.returned_share({}, []) == 0.0
+    rng = random.Random(5)
+    for _ in range(50):  # against a brute-force count
+        before = {p: {e for e in range(3) if rng.random() < 0.4} for p in "abcd"}
+        placed = [(rng.choice("abcde"), rng.randrange(3)) for _ in range(rng.randrange(1, 12))]
+        hits = 0
+        for p, e in placed:
+            if p in before and e in before[p]:
+                hits += 1
+        assert mod.returned_share(before, iter(placed)) == hits / len(placed)
+
+
 def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):
     import importlib.util
 

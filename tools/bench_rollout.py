@@ -368,6 +368,13 @@ def seed_priorities(spec: str, split: str, seed: int) -> None:
     print(f"longest-first predictor fitted on the {_OTHER_HALF[split]} half ({len(counts)} tasks)", flush=True)
 
 
+def returned_share(served_before: dict[str, set], placements) -> float:
+    """The share of ``(prompt, engine)`` placements on an engine that served the prompt before
+    (``served_before``: prompt -> engines of the earlier steps)."""
+    placements = list(placements)
+    return sum(e in served_before.get(p, ()) for p, e in placements) / max(1, len(placements))
+
+
 def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls, history=None):
     """One timed step of configuration ``name`` on the WAR pool. ``history``: ``(prompts, labels,
     steps)`` run first by the same pool, untimed, each followed by what a weight sync does (the
@@ -412,6 +419,9 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
         for _ in range(steps):
             for t in pool.run_batch(h_prompts, h_labels).trajectories:
                 earlier.setdefault(t.prompt, set()).update(r.engine for r in t.turns)
+            # what a weight sync does to the rollout side, without after_weight_sync's engine weight
+            # versions: the engines are shared by every run, and a later run's fresh pool would see
+            # its turns report a newer version mid-step and drop its cache model then
             ray.get([h.reset_prefix_cache.remote() for h in handles])  # new weights: the KV is stale
             pool.advance_policy_version()
         if name in NO_HISTORY_CONFIGS:
@@ -446,8 +456,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
         "mean_reward": res.summary()["mean_reward"],
         "cache_estimate": cache_estimate_errors([r for t in res.trajectories for r in t.turns]),
         # history: the share of this step's turns on an engine that served the same prompt before
-        "returned_share": (sum(r.engine in earlier.get(t.prompt, ()) for t in res.trajectories for r in t.turns)
-                           / max(1, sum(len(t.turns) for t in res.trajectories))) if history else None,
+        "returned_share": (returned_share(earlier, ((t.prompt, r.engine) for t in res.trajectories for r in t.turns))
+                           if history else None),
     }
 
 
@@ -538,8 +548,7 @@ def run_baseline(engines, prompts, labels, n, tokenizer, max_len, temperature, w
             "engine_turns": st.get("trajectories_per_engine"),
             "mean_reward": sum(rewards) / len(rewards) if rewards else None,
             # history: the share of this step's prompts sent to an engine that served them before
-            "returned_share": (sum(e in earlier.get(p, ()) for p, e in zip(prompts, st["placements"]))
-                               / max(1, len(prompts))) if history else None}
+            "returned_share": returned_share(earlier, zip(prompts, st["placements"])) if history else None}
 
 
 def _summarise(runs, base_step):

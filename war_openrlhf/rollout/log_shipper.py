@@ -78,9 +78,7 @@ class LogShipper:
         re-attached empty); the policy version stays. Returns the records the replicas held."""
         dropped = len(self.archive)
         self.log.truncate(self.log.last_seq)
-        archive = RecordArchive(self.archive.config)
-        archive.policy_version = self.archive.policy_version
-        self.archive = archive
+        self.archive.clear()
         self._wire.clear()
         for e in self.engines:
             if e.healthy:

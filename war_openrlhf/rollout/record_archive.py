@@ -69,6 +69,11 @@ class RecordArchive:
             while self._records and self.tokens > target:
                 self.tokens -= self._records.popleft().num_tokens
 
+    def clear(self) -> None:
+        """Drop every record (the replicas were emptied); the policy version stays."""
+        self._records.clear()
+        self.tokens = 0
+
     def advance_policy_version(self, version: int) -> None:
         """New weights: records more than ``max_policy_lag`` versions old go (none when the lag is null)."""
         self.policy_version = max(self.policy_version, int(version))
