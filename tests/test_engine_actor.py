@@ -177,6 +177,27 @@ def test_a_burst_of_records_reaching_a_busy_engine_is_applied_between_steps_in_s
     assert done["step_trace"]["apply_steps"] - steps0 >= 2  # spread over steps
 
 
+def test_drafts_reach_the_scheduler_on_the_step_output_without_a_round_trip_of_their_own(engine):
+    """The engine core takes each step's drafts from the step's output (engine/draft_handoff.py):
+    the worker is never asked for them in a call of its own, and drafts are still accepted (the
+    test above: the same greedy tokens as without drafts)."""
+    import ray
+
+    first = _gen(engine, PROMPTS[1], max_tokens=24)
+    log = CompletedSequenceLog()
+    log.append(CompletedSequence.create("handoff", "g", 0, PROMPTS[1], first["token_ids"]))
+    ray.get(engine.push_log.remote(log.read(0)))
+    ray.get(engine.flush_log.remote())
+    before = _totals(engine)["war"]
+    again = _gen(engine, PROMPTS[1], max_tokens=24)
+    after = _totals(engine)["war"]
+    assert again["token_ids"] == first["token_ids"]
+    handed = after["draft_handoff"]["handed_off"] - before["draft_handoff"]["handed_off"]
+    assert handed >= 24 // (1 + after["num_speculative_tokens"])  # one per step, every step of the turn
+    assert after["draft_handoff"]["asked"] == 0
+    assert sum(after["accepted_tokens"].values()) - sum(before["accepted_tokens"].values()) >= 8
+
+
 def test_forced_off_proposes_nothing_and_on_proposes_again(engine):
     import ray
 

@@ -448,7 +448,7 @@ def test_a_plain_engine_runs_turns_and_refuses_index_calls(model_dir, tmp_path):
             except ValueError as exc:
                 refused = str(exc)
             print("RESULT " + json.dumps({{"tokens": len(out["token_ids"]), "war": "war" in stats,
-                                          "refused": refused}}))
+                                          "refused": refused, "async": stats["async_scheduling"]}}))
             await eng.shutdown()
 
         if __name__ == "__main__":
@@ -461,6 +461,9 @@ def test_a_plain_engine_runs_turns_and_refuses_index_calls(model_dir, tmp_path):
     result = json.loads(lines[-1][len("RESULT "):])
     assert result["tokens"] == 6 and result["war"] is False
     assert "no WAR index replica" in result["refused"] and "speculation='none'" in result["refused"]
+    # vLLM's CPU platform runs every engine synchronously (platforms/cpu.py ~268-269), plain ones too:
+    # on CPU a drafting engine's tax is the speculative path alone (on a GPU it also loses async scheduling)
+    assert result["async"] is False
 
 
 # ------------------------------------------------------------------ equal benchmarks

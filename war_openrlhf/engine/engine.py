@@ -582,6 +582,9 @@ class WarEngine:
             sched = self.llm.vllm_config.scheduler_config  # what a fitted cost model's engine limits are
             out["max_num_seqs"] = int(sched.max_num_seqs)
             out["max_num_batched_tokens"] = int(sched.max_num_batched_tokens)
+            # vLLM 0.29 turns it off for a suffix-drafting engine (config/vllm.py ~1262-1286) and for
+            # every CPU engine (platforms/cpu.py ~268-269): on a GPU, part of a drafting engine's tax
+            out["async_scheduling"] = bool(sched.async_scheduling)
         if self.config.drafting.has_war_index and self.llm is not None:
             out["war"] = await self._rpc(RPC_INDEX_STATS, False)
         return out

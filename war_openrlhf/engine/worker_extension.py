@@ -87,6 +87,7 @@ from typing import Any, Mapping, Sequence
 from war_openrlhf.speculation.index import GlobalSuffixIndex, SuffixIndexConfig
 from war_openrlhf.speculation.log import LogEntry
 
+from .draft_handoff import COUNTERS as HANDOFF_COUNTERS, attach_drafts_to_outputs
 from .rpc import EXTRA_ARGS_KEY, RPC_INSTALL_INDEX, RPC_SEED_VLLM_SUFFIX_CACHE
 from .spec_switch import SpecSwitch, SpecSwitchConfig
 from .step_trace import StepTrace
@@ -187,6 +188,7 @@ class WarWorkerExtension:
         if not hasattr(self, "_war_trace"):
             self._war_trace = StepTrace()
         self._war_wrap_propose(drafter)
+        attach_drafts_to_outputs(self)  # the step's drafts ride on its output (draft_handoff.py)
         self._war_apply_mode()
         logger.info("war: drafts now come from a GlobalSuffixIndex replica (%s)", index.config)
         return self.war_index_stats()
@@ -389,6 +391,9 @@ class WarWorkerExtension:
             out["switch"] = switch.stats()
             out["switch"]["table"] = switch.table.points()
         out["num_speculative_tokens"] = int(self._war_drafter().num_speculative_tokens)
+        handoff = self.__dict__.get(HANDOFF_COUNTERS)
+        if handoff is not None:  # asked > 0: the engine core lacks the draft-handoff plugin
+            out["draft_handoff"] = dict(handoff)
         if reset:
             cache.reset_stats()
         return out
