@@ -286,6 +286,28 @@ def test_exploration_backs_off_while_it_confirms_and_resets_when_it_does_not():
     assert on_late / 1000 < 0.15  # exploration windows only
 
 
+def test_exploring_text_nothing_drafts_from_backs_off_and_draftable_text_is_rechecked_as_configured():
+    """Drafts never accepted (a model whose text the index cannot draft): an exploration that
+    confirms drafting off backs off, since no step cost could make 1 + 0 tokens pay; drafts accepted
+    but too costly (a compute-bound batch) keep the configured rate: a smaller batch could pay."""
+    def explorations(accepted_per_request: float) -> tuple[int, int]:
+        switch = SpecSwitch()
+        for _ in range(4000):
+            on = switch.speculate
+            drafted = 4 * 3 if on else 0
+            accepted = int(round(4 * accepted_per_request)) if on else 0
+            switch.observe(4, drafted, accepted, 0.0005 * (4 + drafted), speculating=on)
+        assert not switch.speculate or switch.last_reason.endswith("+explore")
+        return sum(n for reason, n in switch.reasons.items() if reason.endswith("+explore")), switch._explore_interval
+
+    windows = 4000 // SpecSwitchConfig().window_steps
+    nothing, interval = explorations(0.0)
+    assert nothing <= 8 and interval == 8 * SpecSwitchConfig().explore_every
+    costly, interval = explorations(0.5)  # 1.5 tokens for 4x the step: off, but not hopeless
+    assert costly >= windows // (SpecSwitchConfig().explore_every + 1) - 2
+    assert interval == SpecSwitchConfig().explore_every
+
+
 def _spiky(rng, seconds: float) -> float:
     """A step as a shared CPU core times it: +-10% jitter, and now and then (3% of steps) 5-10x
     (another process ran; seen on the CPU engines as 6-12 ms steps among 1 ms ones)."""

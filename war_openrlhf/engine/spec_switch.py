@@ -42,7 +42,10 @@ hysteresis, in requests). After ``explore_every`` windows the other side runs fo
 window, so estimates follow the workload; each exploration that confirms a decision to draft
 doubles the interval (up to 8x); while drafting is off (exploring is then the only measure of
 acceptance), after one that changes the decision, or a change by measurement, it is the
-configured one.
+configured one, except while the measured acceptance per request-step stays within the
+hysteresis (``1 + a <= threshold + hysteresis``: no step cost could make drafting pay, text
+the index cannot draft), when confirmations double it as well (each exploration restarts the
+requests' drafter state: on text nothing drafts, that was the switch's whole cost).
 Acceptance per request-step is a ratio of decayed sums over drafting steps, not an EWMA of
 per-step ratios (one step at batch 1 accepts 0..K tokens: such an EWMA swung the gain across
 the threshold on noise, and drafting stayed off until the next exploration). Decisions are taken once per
@@ -357,8 +360,14 @@ class SpecSwitch:
                 # often as configured: while off, exploring is the only measure of what drafts
                 # would be accepted now (a workload that turned draftable shows nowhere else)
                 confirmed = self._decided == self._exploring
+                # ... except a decision not to draft that no cost could reverse: drafting emits
+                # 1 + a tokens for a step no shorter than one without drafts, so while the measured
+                # acceptance a stays within the hysteresis no batch makes drafting pay (text the
+                # index cannot draft); re-checking it as often as configured is pure cost
+                hopeless = (not self._decided and self._accepted_per_req is not None
+                            and 1.0 + self._accepted_per_req <= cfg.threshold + cfg.hysteresis)
                 self._explore_interval = (min(2 * self._explore_interval, 8 * cfg.explore_every)
-                                          if confirmed and self._decided else cfg.explore_every)
+                                          if confirmed and (self._decided or hopeless) else cfg.explore_every)
                 self._next_explore = self._windows + self._explore_interval
                 self._exploring = None
             if self._windows >= self._next_explore:
