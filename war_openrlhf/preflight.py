@@ -338,6 +338,13 @@ def check_engine(workdir: Path, model_dir: Path | None = None, *, prompts_n: int
             return Check("engine", "fail", "speculation on accepted no draft token of the index's exact copies",
                          "check that the worker extension loaded (vLLM's log at start)")
         steps.append(f"greedy on == off, {accepted} draft tokens accepted")
+        handoff = client.stats().get("draft_handoff") or {}
+        if handoff.get("asked", 0) > 0 or not handoff.get("handed_off", 0):
+            return Check("engine", "fail", f"the engine core asked the worker for drafts {handoff.get('asked', 0)} "
+                         f"times ({handoff.get('handed_off', 0)} steps handed them off): this package's vLLM plugins "
+                         "are not registered where the engine core runs (its CPU sampler fixes neither)",
+                         "reinstall the package in that environment (bash scripts/install.sh, or pip install -e .)")
+        steps.append("drafts handed off with each step's output")
         dtype = torch.bfloat16 if cuda else torch.float32
         group: dict = {}
         client.set_speculation(False)
