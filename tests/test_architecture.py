@@ -112,6 +112,7 @@ VLLM_INTERNALS = {
     "engine/engine.py": "vLLM's engine arguments and configs (AsyncEngineArgs, KVEventsConfig)",
     "engine/kv_events.py": "decodes vLLM's KV-cache event types",
     "engine/step_record.py": "wraps vLLM's scheduler to record each step (WAR_STEP_RECORD_DIR)",
+    "engine/draft_handoff.py": "a step's drafts on its output: the runner's sample_tokens, the engine core's post_step",
     "speculation/proposers.py": "vLLM's n-gram matcher, for the benchmarks' ngram drafter",
     "preflight.py": "checks which vLLM platform the node runs",
 }
