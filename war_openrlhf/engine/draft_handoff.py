@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["ATTR", "COUNTERS", "attach_drafts_to_outputs", "install", "register", "uninstall"]
+__all__ = ["ATTR", "COUNTERS", "attach_drafts_to_outputs", "install", "register"]
 
 #: the ``ModelRunnerOutput`` attribute carrying the step's ``DraftTokenIds`` (None: no drafts)
 ATTR = "war_draft_token_ids"
@@ -104,19 +104,6 @@ def install() -> bool:
         EngineCore.post_step = post_step_with_handoff
         setattr(EngineCore, _MARK, (update, post_step))
     return True
-
-
-def uninstall() -> None:
-    """Undo :func:`install` (tests)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-
-    with _LOCK:
-        saved = getattr(EngineCore, _MARK, None)
-        if saved is None:
-            return
-        Scheduler.update_from_output, EngineCore.post_step = saved
-        delattr(EngineCore, _MARK)
 
 
 def register() -> None:
