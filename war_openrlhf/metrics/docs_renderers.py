@@ -973,6 +973,32 @@ def rollout_suffix_engines(d: dict) -> str:
     return " ".join(parts) + "\n"
 
 
+@renderer("rollout_low_load_target")
+def rollout_low_load_target(d: dict) -> str:
+    """A low-load run against the low-load target: ``war`` over vLLM's suffix method (>= 1.15x) and
+    over OpenRLHF's path (>= 1.6x), median step over median step and per repeat, with each
+    drafter's tokens per verification step."""
+    c = d["configs"]
+    if "war" not in c:
+        raise ValueError(f"{d.get('command', 'this file')}: no war configuration")
+    parts, met = [], True
+    for base, bar in (("openrlhf_vllm_suffix", 1.15), ("openrlhf", 1.6)):
+        if base not in c:
+            met = False
+            parts.append(f"`{base}` not run.")
+            continue
+        ratio = c[base]["step_s"] / c["war"]["step_s"]
+        met = met and ratio >= bar
+        x = _x_runs(d, "war", base)
+        parts.append(f"`war` {ratio:.2f}x `{base}` (median step over median step; per repeat "
+                     f"{spread_text(x, '.2f') if x else '-'}; target >= {bar}x).")
+    tpv = [f"`{name}` {num(c[name].get('tokens_per_verification_step'), '.2f')}"
+           for name in ("war", "openrlhf_vllm_suffix") if name in c]
+    parts.append(f"Tokens per verification step: {', '.join(tpv)}.")
+    parts.append(f"Target (both): {'met' if met else 'missed'}.")
+    return " ".join(parts) + "\n"
+
+
 @renderer("rollout_history")
 def rollout_history(d: dict) -> str:
     """A run whose timed step came after earlier steps on the same prompts (``--history-steps``):
