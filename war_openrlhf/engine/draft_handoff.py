@@ -57,7 +57,12 @@ def attach_drafts_to_outputs(worker: Any) -> dict[str, int] | None:
     def sample_tokens_with_drafts(*args: Any, **kwargs: Any) -> Any:
         out = sample_tokens(*args, **kwargs)
         if type(out) is ModelRunnerOutput:  # not an async output (async scheduling takes no drafts here)
-            setattr(out, ATTR, take())
+            drafts = take()
+            if drafts is not None and not any(drafts.draft_token_ids):
+                # no request drafted (drafting off): the scheduler already emptied every scheduled
+                # request's drafts when it scheduled this step, so there is nothing to apply or ship
+                drafts = None
+            setattr(out, ATTR, drafts)
             counters["handed_off"] += 1
         return out
 
