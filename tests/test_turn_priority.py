@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from war_openrlhf.rollout import RolloutConfig
-from war_openrlhf.rollout.turn_priority import TurnPriorities
+from war_openrlhf.dispatch.turn_priority import TurnPriorities
 
 
 def _batch(tp: TurnPriorities, groups: dict[str, list[int]]) -> None:

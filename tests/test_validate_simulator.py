@@ -18,7 +18,7 @@ def _task_run(tmp_path: Path, cost_name: str, model: str = "/x/.cache/war_tiny_p
     configs = {
         "openrlhf": {"step_s": 4.0, "x_openrlhf": 1.0, "simulated_step_s": 5.0, "simulated_x_openrlhf": 1.0},
         "war": {"step_s": 2.0, "x_openrlhf": 2.0, "simulated_step_s": 2.0, "simulated_x_openrlhf": 2.5},
-        "war_longest_first": {"step_s": 2.2, "x_openrlhf": 1.8},
+        "war_finished_only": {"step_s": 2.2, "x_openrlhf": 1.8},
     }
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"benchmark": "rollout", "workload": "task:sql_qa", "model": model, "engines": 2,
@@ -51,7 +51,7 @@ def test_a_task_run_is_compared_with_its_own_prediction_and_the_worst_error_writ
     assert d["comparisons"] == 1 and d["worst_abs_error"] == pytest.approx(0.25)
     assert d["worst_abs_step_error"] == pytest.approx(0.25) and d["target_abs_error"] == 0.15
     (r,) = d["runs"]
-    assert r["prediction"] == "simulated in the run" and r["not_modelled"] == ["war_longest_first"]
+    assert r["prediction"] == "simulated in the run" and r["not_modelled"] == ["war_finished_only"]
     assert "low load" in r["regime"] and d["git"]["commit"]
 
 

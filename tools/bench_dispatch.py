@@ -157,20 +157,24 @@ def build_workload(base, engines: int, load: str, preset: str, pressure: float,
     return before + chosen, group_size, cap, info
 
 
-def run_policies(prepared, cfg: dict, group_size: int, war_kwargs=None, pbar=None):
+def run_policies(prepared, cfg: dict, group_size: int, war_kwargs=None, pbar=None, war_sim=None):
     """Every policy of POLICY_ORDER on the same trajectories and SimConfig(**cfg), and the
     contention-free ceiling of the measured step: ``(rows, ceiling)``, each row with its
-    ratios to least_loaded and to the best other policy."""
+    ratios to least_loaded and to the best other policy. ``war_sim``: SimConfig fields that
+    differ for ``war`` alone (``turn_priority``: the engines a WAR pool would start)."""
     rows = {}
     for pol in POLICY_ORDER:
         kw = {}
+        sim = dict(cfg)
         if pol == "least_loaded":  # OpenRLHF adds n per prompt to the snapshot load
             kw = {"n_samples_per_prompt": group_size}
-        elif pol == "war" and war_kwargs:
-            kw = dict(war_kwargs)
+        elif pol == "war":
+            kw = dict(war_kwargs or {})
+            sim.update(war_sim or {})
         t0 = time.perf_counter()
-        d = simulate(prepared, pol, SimConfig(**cfg), **kw).to_dict()
+        d = simulate(prepared, pol, SimConfig(**sim), **kw).to_dict()
         d["policy_kwargs"] = kw
+        d["sim_overrides"] = {k: v for k, v in sim.items() if cfg.get(k) != v}
         d["sim_wall_s"] = time.perf_counter() - t0
         rows[pol] = d
         if pbar is not None:
@@ -195,7 +199,12 @@ def run_all(trajs, group_size, cap, args, engines, war_kwargs, pbar=None):
                tool_delay_s=args.tool_delay, per_env_token_s=args.per_env_token,
                delay_jitter=args.jitter, seed=args.seed,
                steps=2 if args.warmup else 1, warmup_steps=1 if args.warmup else 0)
-    return run_policies(prepare_trajectories(trajs), cfg, group_size, war_kwargs, pbar)
+    return run_policies(prepare_trajectories(trajs), cfg, group_size, war_kwargs, pbar, _war_sim(args))
+
+
+def _war_sim(args) -> dict:
+    """SimConfig fields for ``war`` alone, from the command line."""
+    return {"turn_priority": args.war_turn_priority} if args.war_turn_priority != "none" else {}
 
 
 def print_table(rows, info, ceiling):
@@ -304,7 +313,8 @@ def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, a
     cfg = dict(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
                tool_delay_s=tool_s, per_env_token_s=env_s, delay_jitter=args.jitter,
                seed=args.seed, steps=2, warmup_steps=1)
-    rows, ceiling = run_policies(prepare_trajectories(trajs), cfg, group_size, pbar=bar)
+    rows, ceiling = run_policies(prepare_trajectories(trajs), cfg, group_size, pbar=bar,
+                                 war_sim=_war_sim(args))
     info = {"source": source, "split": split, "engines": engines, "pressure": pressure,
             "tools": tools, "tool_delay_s": tool_s, "per_env_token_s": env_s,
             "generated_delay_scale": scale if generated else None, "load": "high",
@@ -551,7 +561,7 @@ def run_suite(args):
     combos = [(src, e, p, t) for src in sources for e in engines for p in pressures for t in tools]
     out = {"benchmark": "dispatch_suite", "simulated": True, "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
            "delay_jitter": args.jitter, "seed": args.seed, "tool_speeds": TOOL_SPEEDS,
-           "generator_seed": GENERATOR_SEEDS[args.split], "runs": []}
+           "generator_seed": GENERATOR_SEEDS[args.split], "war_sim": _war_sim(args), "runs": []}
     if args.workers > 1:
         out["runs"] = _run_cells_in_workers(combos, base, args, out)
     else:
@@ -587,6 +597,9 @@ def main(argv=None):
     ap.add_argument("--jitter", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--war-kwargs", default="{}", help="JSON kwargs for the war policy")
+    ap.add_argument("--war-turn-priority", choices=["none", "longest_first"], default="none",
+                    help="war's engines schedule by vLLM request priority, each turn's from its "
+                         "trajectory's predicted remaining turns (the pool's turn_priority)")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="measure a cold first step (default: a warm-up step of other groups "
                          "runs first, as the previous RL step, and is not measured)")
@@ -632,7 +645,7 @@ def main(argv=None):
     out = {"benchmark": "dispatch_sim", "simulated": True,
            "preset": get_preset(args.preset).to_dict(), "tool_delay_s": args.tool_delay,
            "per_env_token_s": args.per_env_token, "delay_jitter": args.jitter,
-           "seed": args.seed, "war_kwargs": war_kwargs, "runs": []}
+           "seed": args.seed, "war_kwargs": war_kwargs, "war_sim": _war_sim(args), "runs": []}
     tables = []
     with tqdm(total=len(combos) * len(POLICY_ORDER), desc="simulations", file=sys.stderr) as bar:
         for engines, load in combos:

@@ -256,7 +256,7 @@ SIM_POLICIES = {"openrlhf": ("least_loaded", False), "openrlhf_vllm_suffix": ("l
                 "war_vllm_suffix_engines": ("war", True),
                 "war_sticky": ("sticky", True), "war_sglang_cache_aware": ("sglang_cache_aware", True),
                 "war_dynamo_kv": ("dynamo_kv", True), "war_verl_kv_aware": ("verl_kv_aware", True),
-                "war_kv_events": ("war", True)}
+                "war_kv_events": ("war", True), "war_longest_first": ("war", True)}
 
 
 def engine_kind(name: str, same_engines: bool = False, war_engines: str = "auto") -> str:
@@ -302,9 +302,13 @@ def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None
             drafted = frac * (per_spec_step - 1.0) / d["acceptance"]
         own = {"plain": plain_cost_model, "vllm_suffix": suffix_cost_model}.get(engine_kind(name, same_engines,
                                                                                          war_engines))
+        priority = {}
+        if name in PRIORITY_CONFIGS:  # vLLM priority scheduling, the predictor seeded as the run's was
+            priority = {"turn_priority": "longest_first",
+                        "turn_priority_history": tuple(map(tuple, _PRIORITY_HISTORY))}
         cfg = SimConfig(num_engines=engines, preset=own or cost_model,
                         kv_capacity_tokens=kv_tokens,
-                        spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0)
+                        spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0, **priority)
         steps[name] = simulate(prepared, policy, cfg).makespan_s
     base = steps.get("openrlhf")
     return {name: {"step_s": round(v, 3), "x_openrlhf": round(base / v, 3) if base else None}
@@ -341,6 +345,8 @@ def _percentile(values, q):
 #: traces: the longest-first predictor, fitted on the turn counts of the trace's tasks that this run
 #: does not replay (every repeat starts from a copy: no repeat learns from another's, or the reported, tasks)
 _PRIORITY_SEED: list = []
+#: the same fit data as turn counts of finished groups (the simulator's ``turn_priority_history``)
+_PRIORITY_HISTORY: list = []
 
 
 #: the half a longest-first predictor is fitted on, for each half a run replays
@@ -350,7 +356,7 @@ _OTHER_HALF = {"validation": "tuning", "tuning": "validation", "report": "tune",
 def seed_priorities(spec: str, split: str, seed: int) -> None:
     """Fit the longest-first predictor on the other half of the trace's tasks (the tuning half
     when the run reports the validation half; see :data:`_PRIORITY_SEED`)."""
-    from war_openrlhf.rollout.turn_priority import TurnPriorities
+    from war_openrlhf.dispatch.turn_priority import TurnPriorities
     from war_openrlhf.traces.chat_traces import load_chat_traces
     from war_openrlhf.traces.turns import group_trajectories
 
@@ -365,6 +371,7 @@ def seed_priorities(spec: str, split: str, seed: int) -> None:
     tp = TurnPriorities()
     tp.seed(counts)
     _PRIORITY_SEED[:] = [tp]
+    _PRIORITY_HISTORY[:] = counts
     print(f"longest-first predictor fitted on the {_OTHER_HALF[split]} half ({len(counts)} tasks)", flush=True)
 
 

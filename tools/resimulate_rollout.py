@@ -50,6 +50,8 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
         rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"],
                                  ta["tool_jitter"], ta["per_env_token"])
         seed = ta["seed"]
+        if any(name in br.PRIORITY_CONFIGS for name in d["configs"]):  # the predictor, fitted as the run's was
+            br.seed_priorities(workload, d["split"], seed)
     tok = AutoTokenizer.from_pretrained(d["model"])
     modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
     return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], seed),
@@ -58,7 +60,7 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
 
 
 def unmodelled_configs(d: dict) -> list[str]:
-    """Configurations of run ``d`` the simulator has no model of (vLLM's request priorities)."""
+    """Configurations of run ``d`` the simulator has no model of."""
     import bench_rollout as br
 
     return [name for name in d["configs"] if name not in br.SIM_POLICIES]

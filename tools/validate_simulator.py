@@ -19,7 +19,8 @@ set beside the measured ones. A task run replays episodes it recorded in the run
 file keeps them (``replayed_rows``) is re-simulated the same way, an older one is represented
 by the prediction ``bench_rollout --cost-model`` made in the run (used when made with the same
 cost model), else it is listed as skipped, with the reason. Configurations
-the simulator has no model of (vLLM request priorities) are listed per run.
+the simulator has no model of are listed per run (``war_longest_first`` is modelled: vLLM's
+priority scheduling, the predictor fitted on the tasks the run does not replay, as the run's was).
 
 The errors are reported two ways: of the gain over OpenRLHF's path (what war-predict's table
 says, ``simulated x / measured x - 1``) and of the absolute step time. The worst of the gain's
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
                   f"simulated ({r['step_error']:+.0%}); x openrlhf {r['measured_x_openrlhf']} vs "
                   f"{r['simulated_x_openrlhf']}" + ("" if r["gain_error"] is None else f" ({r['gain_error']:+.0%})"))
         for name in run["not_modelled"]:
-            print(f"  {name:<22} not modelled by the simulator (vLLM request priorities)")
+            print(f"  {name:<22} not modelled by the simulator")
     for s in skipped:
         print(f"skipped {s['file']}: {s['reason']}")
     if gain:

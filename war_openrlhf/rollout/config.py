@@ -55,7 +55,7 @@ class RolloutConfig:
     stats_interval_s: float = 2.0
     load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
     turn_transport: str = "direct"  # direct: turns on a socket to each engine actor; ray: a Ray call per turn
-    turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (rollout/turn_priority.py)
+    turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (dispatch/turn_priority.py)
     progress: bool = True
     warm_up: bool = True
     dump_dir: str = ""

@@ -23,7 +23,7 @@ from ..dispatch.kv_events import KvEventTranslator
 from .config import RolloutConfig
 from .engine_client import EngineClient, EngineDead
 from .log_shipper import LogShipper
-from .turn_priority import TurnPriorities
+from ..dispatch.turn_priority import TurnPriorities
 from .turn_result import TurnResult
 
 __all__ = ["TurnRouter"]

@@ -132,6 +132,15 @@ class SimConfig:
     # report counts that the prefix cache cannot keep. Policies that read the capacity from the
     # reports then overestimate it; the engines themselves evict by what they really have.
     reported_kv_scale: float = 1.0
+    # "longest_first": the engines schedule by vLLM request priority (``scheduling_policy:
+    # priority``) and each turn carries its trajectory's predicted remaining turns as its
+    # priority, as the pool's ``turn_priority: longest_first`` does (dispatch/turn_priority.py);
+    # "none": FCFS engines.
+    turn_priority: str = "none"
+    # Finished GRPO groups' turn counts the longest-first predictor starts from (the pool's
+    # ``TurnPriorities.seed``: e.g. the tasks of a trace a run does not replay); empty: it
+    # learns from the run's own finished groups only.
+    turn_priority_history: Tuple[Tuple[int, ...], ...] = ()
 
     def validate(self) -> CostModel:
         n = self.num_engines
@@ -155,6 +164,8 @@ class SimConfig:
             raise ValueError(f"spec_drafted_per_step must be >= 0, got {self.spec_drafted_per_step!r}")
         if not self.reported_kv_scale > 0.0:
             raise ValueError(f"reported_kv_scale must be > 0, got {self.reported_kv_scale!r}")
+        if self.turn_priority not in ("none", "longest_first"):
+            raise ValueError(f"turn_priority must be 'none' or 'longest_first', got {self.turn_priority!r}")
         if not 0 <= self.delay_jitter < 1:
             raise ValueError(f"delay_jitter must be in [0, 1), got {self.delay_jitter!r}")
         if not isinstance(self.steps, int) or self.steps <= 0:
@@ -309,7 +320,8 @@ class ClusterSimulator:
         trajs = (trajectories if trajectories and isinstance(trajectories[0], _Traj)
                  else prepare_trajectories(trajectories))
         rng = np.random.default_rng(cfg.seed)
-        engines = [SimEngine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step)
+        engines = [SimEngine(i, self.cost, cfg.spec_tokens_per_step, cfg.spec_drafted_per_step,
+                             priority_scheduling=cfg.turn_priority != "none")
                    for i in range(int(cfg.num_engines))]
         for eng in engines:
             eng.reported_kv_tokens = int(eng.cap_blocks * eng.bs * cfg.reported_kv_scale)

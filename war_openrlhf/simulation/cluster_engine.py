@@ -3,7 +3,9 @@ model: :mod:`.cluster`)."""
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
+from itertools import count
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -23,7 +25,7 @@ class SimRequest:
     __slots__ = ("traj", "turn", "key", "ctx_len", "resp_len", "hl", "n_ctx_blocks",
                  "n_cacheable", "hit", "prefill_left", "computed", "generated", "pinned", "anon",
                  "next_block", "queued", "t_dispatch", "t_admit", "t_prefilled", "request",
-                 "credit", "batch")
+                 "credit", "batch", "priority")
 
     def __init__(self, traj: "_Traj", turn: int, request: TurnRequest, now: float, block_size: int = BLOCK_SIZE) -> None:
         self.traj = traj
@@ -47,6 +49,36 @@ class SimRequest:
         self.request = request
         self.credit = 0.0  # fractional tokens per step under speculation
         self.batch = 0  # the engine's requests (running + waiting) when this one was queued
+        self.priority = 0  # vLLM request priority (lower first), on priority-scheduling engines
+
+
+class PriorityWaiting:
+    """vLLM's waiting queue under ``scheduling_policy: priority``: a heap by (priority, arrival),
+    with the deque operations the engine uses (vLLM 0.29 ``v1/core/sched/request_queue.py``
+    ``PriorityRequestQueue``; ``v1/request.py`` ``Request.__lt__``)."""
+
+    __slots__ = ("_heap", "_seq")
+
+    def __init__(self) -> None:
+        self._heap: List[Tuple[int, float, int, SimRequest]] = []
+        self._seq = count()
+
+    def append(self, r: SimRequest) -> None:
+        heapq.heappush(self._heap, (r.priority, r.t_dispatch, next(self._seq), r))
+
+    def popleft(self) -> SimRequest:
+        return heapq.heappop(self._heap)[3]
+
+    def __getitem__(self, i: int) -> SimRequest:
+        if i != 0:
+            raise IndexError("PriorityWaiting: only the head is readable")
+        return self._heap[0][3]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
 
 
 _RATE_REFIT_STEPS = 64  # computation schedule of the engines' step-cost regression
@@ -55,7 +87,8 @@ _RATE_REFIT_STEPS = 64  # computation schedule of the engines' step-cost regress
 class SimEngine:
     """A vLLM-like engine: continuous batching over a prefix-cached, ref-counted KV cache."""
 
-    def __init__(self, eid: int, cost: CostModel, spec_tokens: float = 1.0, spec_drafted: float = 0.0) -> None:
+    def __init__(self, eid: int, cost: CostModel, spec_tokens: float = 1.0, spec_drafted: float = 0.0,
+                 priority_scheduling: bool = False) -> None:
         self.eid = eid
         self.cost = cost
         self.spec_tokens = spec_tokens
@@ -68,7 +101,8 @@ class SimEngine:
         self.evictable: "OrderedDict[int, None]" = OrderedDict()  # LRU first
         self.anon = 0  # pinned blocks without a (shareable) hash
         self.running: List[SimRequest] = []
-        self.waiting: deque = deque()
+        # FCFS (vLLM's default) or by request priority (``scheduling_policy: priority``)
+        self.waiting = PriorityWaiting() if priority_scheduling else deque()
         self.sched: Optional[List[Tuple[SimRequest, int]]] = None
         self.busy_s = 0.0
         self.queued_tokens = 0

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Dict, List, Sequence
 import numpy as np
 
 from ..dispatch import DEFER, DispatchPolicy, TurnRequest
+from ..dispatch.turn_priority import TurnPriorities
 from .cluster_accounting import ConservationError, Ledger, RunAccounts, critical_path
 from .cluster_engine import SimEngine, SimRequest
 
@@ -45,6 +46,10 @@ class EventLoop:
         self.t0 = 0.0
         self.measured = False
         self.live = 0
+        # turn_priority longest_first: each turn's vLLM priority, as the pool computes it
+        self.priorities = TurnPriorities() if config.turn_priority == "longest_first" else None
+        if self.priorities is not None and config.turn_priority_history:
+            self.priorities.seed(config.turn_priority_history)
 
     def _push(self, when: float, kind: int, a, b: int) -> None:
         heapq.heappush(self.heap, (when, self.seq, kind, a, b))
@@ -57,6 +62,8 @@ class EventLoop:
         self.measured = measured
         busy_at_start = [e.busy_s for e in engines]
         self.pol.start_batch()
+        if self.priorities is not None:
+            self.priorities.start_batch()
         heap: List[tuple] = []
         for t in step_trajs:
             heap.append((t0, self.seq, _ARRIVE, t, 0))
@@ -120,6 +127,8 @@ class EventLoop:
         if turn == 0:
             acc.paths[traj.tid]["admission_wait_s"] = now - self.t0
         r = SimRequest(traj, turn, req, now, eng.bs)
+        if self.priorities is not None:
+            r.priority = self.priorities.priority(traj.tid, traj.gid, turn)
         r.batch = len(eng.running) + len(eng.waiting)
         eng.enqueue(r)
         if eng.sched is None:
@@ -185,6 +194,8 @@ class EventLoop:
             path["end_s"] = now - self.t0
             self.ledger.trajectory_finished(traj.tid)
             pol.on_trajectory_finished(traj.tid)
+            if self.priorities is not None:
+                self.priorities.finished(traj.tid, traj.gid, traj.turns)
             self.live -= 1
 
     def _tool_delay(self, traj: "_Traj", turn: int) -> float:

@@ -12,7 +12,7 @@ engines started with ``scheduling_policy: priority``. Rollout setting ``turn_pri
 
 from __future__ import annotations
 
-from ..dispatch.remaining_work import SiblingRecords
+from .remaining_work import SiblingRecords
 
 __all__ = ["TurnPriorities"]
 
