@@ -139,3 +139,27 @@ def test_suite_rerun_renders_war_before_and_after_and_refuses_other_work():
         dispatch_suite_rerun(old, _suite(63.0, 60.0, 0, "b" * 40))
     with pytest.raises(ValueError, match="not in the earlier suite"):
         dispatch_suite_rerun(old, _suite(63.0, 66.3, 0, "b" * 40, cells=(("tau", 8, 2.0, "fast"),)))
+
+
+def test_suite_ablation_renders_the_option_per_cell_and_in_sum():
+    """An ablation pairs the cells of two runs of the same work, names the variant's option,
+    and counts faster and slower cells; a variant that changes nothing is refused."""
+    import pytest
+
+    from war_openrlhf.metrics.docs_renderers import dispatch_suite_ablation, dispatch_suite_ablation_reading
+
+    cells = (("gen:tau_like", 32, 4.0, "slow"), ("tau", 8, 2.0, "fast"))
+    base = _suite(60.0, 66.3, 0, "a" * 40, cells=cells)
+    variant = _suite(50.0, 66.3, 0, "b" * 40, cells=cells)
+    variant["runs"][1]["results"]["war"] = {"makespan_s": 70.0, "throughput_tok_s": 1000.0 / 70.0, "deferrals": 0}
+    variant["war_sim"] = {"turn_priority": "longest_first"}
+    table = dispatch_suite_ablation(base, variant)
+    assert "| gen:tau_like | 32 | 4 | slow | 60.0 | 50.0 | 1.200 | war | " not in table  # war is never its own peer
+    assert "| gen:tau_like | 32 | 4 | slow | 60.0 | 50.0 | 1.200 | sticky | 1.105 | 1.326 |" in table
+    text = dispatch_suite_ablation_reading(base, variant)
+    assert "`turn_priority: longest_first`" in text and "range 0.857-1.200" in text
+    assert "1 cells faster by more than 1%, 1 slower by more than 1%, 0 identical" in text and "min 1.105 without, 0.947 with" in text
+    del variant["war_sim"]
+    with pytest.raises(ValueError, match="no war_sim"):
+        dispatch_suite_ablation_reading(base, variant)
+

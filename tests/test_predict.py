@@ -165,6 +165,19 @@ def test_prediction_per_configuration_with_drafting_from_siblings(tmp_path):
         predict(ts.trajectories, settings, ["nope"])
 
 
+def test_longest_first_is_war_on_priority_scheduling_engines(tmp_path):
+    """``war_longest_first`` is its own simulation (engines scheduling by vLLM priority), with
+    the switch's on/off pair of its own, and says so in its row."""
+    (tmp_path / "tau.json").write_text(json.dumps(_chat_records(4, 4)))
+    ts = load_trace_files(tmp_path / "tau.json")
+    settings = PredictSettings(engines=2, kv_tokens=4096, tool_latency_s=0.2, replay_engines=2)
+    rows = predict(ts.trajectories, settings, ["war", "war_longest_first"], jobs=1)["configs"]
+    lf, war = rows["war_longest_first"], rows["war"]
+    assert lf["turn_priority"] == "longest_first" and "turn_priority" not in war
+    assert lf["policy"] == war["policy"] == "war" and lf["speculation"] == "war"
+    assert lf["step_s"] == min(lf["step_s_drafting_on"], lf["step_s_drafting_off"])
+
+
 def test_the_command_writes_its_json_and_plot_and_says_how_far_it_is_validated(tmp_path, capsys):
     (tmp_path / "t.traj").write_text(json.dumps(_swe_traj(3)))
     (tmp_path / "u.traj").write_text(json.dumps(_swe_traj(3, action="cat")))

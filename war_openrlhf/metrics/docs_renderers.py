@@ -477,6 +477,44 @@ def dispatch_suite_rerun_reading(old: dict, new: dict) -> str:
             f"cells >= 0.98: {sum(x >= 0.98 for x in before)} before, {sum(x >= 0.98 for x in after)} after.\n")
 
 
+@renderer("dispatch_suite_ablation")
+def dispatch_suite_ablation(base: dict, variant: dict) -> str:
+    """A suite run twice on the same work, war changed by one option (``war_sim`` of the
+    variant file): per cell war's step in each, the variant's speed-up, war / best peer in each."""
+    rows = []
+    for c, o, r in _rerun_pairs(base, variant):
+        w = c["cell"]
+        (b0, _), (b1, peer) = _war_over_best(o), _war_over_best(r)
+        s0, s1 = o["results"]["war"]["makespan_s"], r["results"]["war"]["makespan_s"]
+        rows.append([w["source"], str(w["engines"]), f"{w['pressure']:g}", w["tools"], num(s0, ".1f"),
+                     num(s1, ".1f"), num(s0 / s1, ".3f"), peer, num(b0, ".3f"), num(b1, ".3f")])
+    return md_table(["workload", "engines", "pressure", "tools", "war step s", "with the option",
+                     "speed-up", "best peer", "war / best peer", "with the option"],
+                    ["l", "r", "r", "l", "r", "r", "r", "l", "r", "r"], rows)
+
+
+@renderer("dispatch_suite_ablation_reading")
+def dispatch_suite_ablation_reading(base: dict, variant: dict) -> str:
+    """The ablation in one paragraph: the option, the geometric mean and range of war's
+    speed-up, cells faster / slower by more than 1%, and the suite's first target either way."""
+    pairs = _rerun_pairs(base, variant)
+    if not variant.get("war_sim"):
+        raise ValueError("the variant file changes no option of war's (no war_sim)")
+    option = ", ".join(f"`{k}: {v}`" for k, v in variant["war_sim"].items())
+    speed = [o["results"]["war"]["makespan_s"] / r["results"]["war"]["makespan_s"] for _, o, r in pairs]
+    before = [_war_over_best(o)[0] for _, o, _ in pairs]
+    after = [_war_over_best(r)[0] for _, _, r in pairs]
+    commit = lambda d: d.get("git", {}).get("commit", "?")[:7]  # noqa: E731
+    return (f"war with {option} against war without it, {len(pairs)} cells (commits `{commit(base)}`, "
+            f"`{commit(variant)}`; the peers' results identical): speed-up geometric mean "
+            f"{_geomean(speed):.3f}, range {min(speed):.3f}-{max(speed):.3f}; "
+            f"{sum(x > 1.01 for x in speed)} cells faster by more than 1%, "
+            f"{sum(x < 1 / 1.01 for x in speed)} slower by more than 1%, {sum(x == 1.0 for x in speed)} "
+            f"identical. "
+            f"war / best peer: min {min(before):.3f} without, {min(after):.3f} with; cells >= 0.98: "
+            f"{sum(x >= 0.98 for x in before)} without, {sum(x >= 0.98 for x in after)} with.\n")
+
+
 @renderer("dispatch_suite_targets")
 def dispatch_suite_targets(d: dict) -> str:
     """The suite's three targets, met or missed, with the cell behind each minimum (the tool's

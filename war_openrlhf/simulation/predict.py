@@ -41,9 +41,13 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "verl_kv_aware": ("verl_kv_aware", "none"),
     "dynamo_kv": ("dynamo_kv", "none"),
     "sglang_cache_aware": ("sglang_cache_aware", "none"),
+    "war_longest_first": ("war", "war"),
 }
 DEFAULT_CONFIGS = ("openrlhf", "openrlhf_vllm_suffix", "war", "war_sched_only", "verl_sticky", "dynamo_kv")
-SWITCHED = ("war", "war_spec_only")  # WAR's engines switch drafting by load
+SWITCHED = ("war", "war_spec_only", "war_longest_first")  # WAR's engines switch drafting by load
+#: engines with vLLM priority scheduling, each turn's priority its trajectory's predicted remaining
+#: turns (the pool's ``turn_priority: longest_first``; the predictor learns from the run's groups)
+PRIORITY_CONFIGS = ("war_longest_first",)
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,12 @@ def _replay_job(mode: str) -> dict[str, float]:
     return measure_speculation(_SHARED["trajectories"], mode, _SHARED["settings"])
 
 
+def _key(name: str, mode: str | None = None) -> tuple[str, str, bool]:
+    """One simulation: (policy, speculation mode, priority scheduling)."""
+    policy, own_mode = CONFIGS[name]
+    return policy, own_mode if mode is None else mode, name in PRIORITY_CONFIGS
+
+
 def _simulate_job(policy: str, cfg) -> float:
     from .cluster import simulate
 
@@ -141,11 +151,12 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
     latency = settings.tool_latency_s if settings.tool_latency_s is not None else (None if recorded else 1.0)
     timing = {"prepare_s": time.perf_counter() - t0, "replay_s": 0.0, "simulate_s": 0.0}
     modes = sorted({CONFIGS[c][1] for c in configs} - {"none"})
-    pairs = sorted({CONFIGS[c] for c in configs} | {(CONFIGS[c][0], "none") for c in configs if c in SWITCHED})
+    pairs = sorted({_key(c) for c in configs} | {_key(c, "none") for c in configs if c in SWITCHED})
 
-    def sim_config(mode: str, spec: dict[str, dict[str, float]]):
+    def sim_config(mode: str, spec: dict[str, dict[str, float]], priority: bool = False):
         s = spec.get(mode) if mode != "none" else None
         return SimConfig(num_engines=settings.engines, preset=settings.cost_model,
+                         turn_priority="longest_first" if priority else "none",
                          kv_capacity_tokens=settings.kv_tokens, steps=settings.steps, seed=settings.seed,
                          tool_delay_s=latency if latency is not None else 1.0,
                          spec_tokens_per_step=max(1.0, s["tokens_per_step"]) if s else 1.0,
@@ -165,19 +176,21 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
                 say(f"speculation replay: {mode}")
                 spec[mode] = measure_speculation(trajectories, mode, settings, progress=progress is not None)
             timing["replay_s"] = time.perf_counter() - t0 - timing["prepare_s"]
-            for policy, mode in pairs:
-                say(f"simulating {policy} ({mode})")
-                memo[(policy, mode)] = _simulate_job(policy, sim_config(mode, spec))
+            for policy, mode, prio in pairs:
+                say(f"simulating {policy} ({mode}{', longest first' if prio else ''})")
+                memo[(policy, mode, prio)] = _simulate_job(policy, sim_config(mode, spec, prio))
         else:
             ctx = multiprocessing.get_context("fork")
             say(f"{len(modes)} speculation replays and {len(pairs)} simulations on {workers} processes")
             with ProcessPoolExecutor(workers, mp_context=ctx) as ex:
                 # simulations without drafting need no replay: they start with the replays
-                plain = {ex.submit(_simulate_job, p, sim_config("none", {})): (p, m) for p, m in pairs if m == "none"}
+                plain = {ex.submit(_simulate_job, p, sim_config("none", {}, q)): (p, m, q) for p, m, q in pairs
+                         if m == "none"}
                 replays = {m: ex.submit(_replay_job, m) for m in modes}
                 spec = {m: f.result() for m, f in replays.items()}
                 timing["replay_s"] = time.perf_counter() - t0 - timing["prepare_s"]
-                drafted = {ex.submit(_simulate_job, p, sim_config(m, spec)): (p, m) for p, m in pairs if m != "none"}
+                drafted = {ex.submit(_simulate_job, p, sim_config(m, spec, q)): (p, m, q) for p, m, q in pairs
+                           if m != "none"}
                 for f, key in {**plain, **drafted}.items():
                     memo[key] = f.result()
     finally:
@@ -186,10 +199,12 @@ def predict(trajectories: Sequence[Any], settings: PredictSettings, configs: Seq
 
     rows = {}
     for name in configs:
-        policy, mode = CONFIGS[name]
-        row: dict[str, Any] = {"policy": policy, "speculation": mode, "step_s": memo[(policy, mode)]}
+        policy, mode, prio = _key(name)
+        row: dict[str, Any] = {"policy": policy, "speculation": mode, "step_s": memo[(policy, mode, prio)]}
+        if prio:
+            row["turn_priority"] = "longest_first"
         if name in SWITCHED:  # the switch keeps drafting off where it costs more than it saves
-            off = memo[(policy, "none")]
+            off = memo[(policy, "none", prio)]
             row["step_s_drafting_on"], row["step_s_drafting_off"] = row["step_s"], off
             row["switch"] = "on" if row["step_s"] <= off else "off"
             row["step_s"] = min(row["step_s"], off)
