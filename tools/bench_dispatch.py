@@ -45,7 +45,10 @@ and plots war / best peer against each cell's contention-free ceiling.
 
 Policy kwargs (the policies' code is not touched): ``least_loaded`` gets
 ``n_samples_per_prompt = group size`` (OpenRLHF adds n per prompt to the snapshot load);
-``war`` runs with its defaults unless ``--war-kwargs JSON`` is given (reported in the output).
+``war`` runs with its defaults unless ``--war-kwargs JSON`` is given (reported in the output);
+``--war-turn-priority longest_first`` runs war's engines with vLLM's priority scheduling and each
+turn's priority from its trajectory's predicted remaining turns (``war_sim`` in the output), the
+peers' engines unchanged.
 """
 
 from __future__ import annotations
