@@ -203,3 +203,30 @@ def test_a_task_run_that_keeps_its_replayed_episodes_is_re_simulated_with_any_co
         assert run["prediction"] == "re-simulated"
         costs.append({r["config"]: r["simulated_step_s"] for r in run["rows"]})
     assert costs[1]["war"] > 1.5 * costs[0]["war"] and costs[1]["openrlhf"] > 1.5 * costs[0]["openrlhf"]
+
+
+def test_longest_first_is_simulated_on_priority_engines_with_the_runs_predictor(monkeypatch):
+    """``war_longest_first`` is re-simulated (not listed as unmodelled): war on engines that
+    schedule by priority, the predictor seeded with the fit data the run's pool had; the other
+    configurations keep FCFS engines."""
+    import war_openrlhf.simulation.cluster as cluster
+
+    seen = {}
+    real = cluster.simulate
+
+    def spy(prepared, policy, cfg):
+        seen[len(seen)] = (policy, cfg.turn_priority, cfg.turn_priority_history)
+        return real(prepared, policy, cfg)
+
+    monkeypatch.setattr(cluster, "simulate", spy)
+    history = [[1, 3, 3, 3], [2, 1, 1, 2], [3, 3, 1, 3]]
+    monkeypatch.setattr(br, "_PRIORITY_HISTORY", history)
+    spec = ROOT / "benchmarks" / "results" / "engine" / "cost_serving_cpu_policy.json"
+    summary = {"openrlhf": {}, "war": {}, "war_longest_first": {}}
+    out = br.simulate_configs(_trajectories(), str(spec), 2, None, summary)
+    assert set(out) == {"openrlhf", "war", "war_longest_first"} and out["war_longest_first"]["step_s"] > 0
+    assert sorted(seen.values()) == [("least_loaded", "none", ()), ("war", "longest_first", tuple(map(tuple, history))),
+                                     ("war", "none", ())]
+    from resimulate_rollout import unmodelled_configs
+
+    assert "war_longest_first" not in unmodelled_configs({"configs": summary})
