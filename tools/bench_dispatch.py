@@ -268,11 +268,11 @@ def _with_delays(trajs, scale: float):
     return [replace(t, tool_delays_s=tuple(d * scale for d in t.tool_delays_s)) for t in trajs]
 
 
-def suite_trajectories(source: str, split: str, base_traces, n_groups: int):
+def suite_trajectories(source: str, split: str, base_traces, n_groups: int, generator_seed: int | None = None):
     """``2 * n_groups`` groups of ``source``: the first half is the warm-up step (the previous RL
     step), the second the measured one. ``source`` is ``tau`` (the trace file's ``split``
     half, tasks replicated as in :func:`replicate`) or ``gen:NAME`` (a named generator spec at
-    the split's seed)."""
+    the split's seed, or ``generator_seed``)."""
     if source == "tau":
         half = split_by_task(base_traces, split)
         groups = list(group_trajectories(half).values())
@@ -285,17 +285,64 @@ def suite_trajectories(source: str, split: str, base_traces, n_groups: int):
     name = source.split(":", 1)[1]
     spec = workloads.NAMED_SPECS[name]
     trajs = workloads.generate_workload(
-        workloads.scaled(spec, 2 * n_groups, seed=GENERATOR_SEEDS[split]))
+        workloads.scaled(spec, 2 * n_groups,
+                         seed=GENERATOR_SEEDS[split] if generator_seed is None else generator_seed))
     return trajs, name
+
+
+def draw_seeds(split: str, draw: int, seed: int) -> tuple:
+    """``(generator seed, tool-jitter seed)`` of draw ``draw`` of a cell: the generator's seeds
+    of a split keep its parity (validation even, tuning odd), so no draw of one split is a draw
+    of the other; the trace file's tasks stay the split's, their tool delays drawn anew."""
+    return GENERATOR_SEEDS[split] + 2 * draw, seed + draw
 
 
 def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, args, bar=None):
     """One cell: every policy on the same warm-up + measured step, and the contention-free
-    ceiling of the measured step."""
-    probe, _ = suite_trajectories(source, split, base_traces, 1)
+    ceiling of the measured step; with ``args.draws`` > 1, that many draws of the cell's
+    workload (:func:`draw_seeds`), every policy on each, merged by :func:`merge_draws`."""
+    draws = [_run_draw(source, split, base_traces, engines, pressure, tools, per_engine, args, d, bar)
+             for d in range(getattr(args, "draws", 1))]
+    return draws[0] if len(draws) == 1 else merge_draws(draws)
+
+
+def merge_draws(draws: list) -> dict:
+    """One cell's runs over several workload draws as one run: each policy's step is its mean
+    step over the draws and its throughput all draws' tokens over all their steps (so the ratio
+    of two policies' throughputs is the ratio of their mean steps); the ceiling likewise; every
+    other field is the first draw's. Each draw's step, throughput and ceiling are kept
+    (``draws``), and the cell names its draws' seeds."""
+    first = draws[0]
+    rows = {}
+    for pol in first["results"]:
+        per = [d["results"][pol] for d in draws]
+        steps = [r["makespan_s"] for r in per]
+        row = dict(per[0])
+        row["makespan_s"] = float(np.mean(steps))
+        row["throughput_tok_s"] = sum(r["generated_tokens"] for r in per) / sum(steps)
+        row["draws"] = [{"makespan_s": r["makespan_s"], "throughput_tok_s": r["throughput_tok_s"]} for r in per]
+        rows[pol] = row
+    ll = rows["least_loaded"]
+    for pol, row in rows.items():
+        peers = [rows[q]["throughput_tok_s"] for q in rows if q != pol]
+        row["x_least_loaded"] = row["throughput_tok_s"] / ll["throughput_tok_s"]
+        row["x_best_peer"] = row["throughput_tok_s"] / max(peers) if peers else float("nan")
+    bound = float(np.mean([d["ceiling"]["makespan_s"] for d in draws]))
+    ceiling = {"makespan_s": bound, "x_least_loaded": ll["makespan_s"] / bound,
+               "throughput_tok_s": ll["throughput_tok_s"] * ll["makespan_s"] / bound,
+               "draws": [d["ceiling"] for d in draws]}
+    info = dict(first["workload"])
+    info["draws"] = [d["workload"]["draw_seeds"] for d in draws]
+    return {"workload": info, "results": rows, "ceiling": ceiling}
+
+
+def _run_draw(source, split, base_traces, engines, pressure, tools, per_engine, args, draw, bar=None):
+    """One draw of a cell (``run_cell``)."""
+    gen_seed, jitter_seed = draw_seeds(split, draw, args.seed)
+    probe, _ = suite_trajectories(source, split, base_traces, 1, gen_seed)
     group_size = max(len(g) for g in group_trajectories(probe).values())
     n_groups = max(1, math.ceil(per_engine * engines / group_size))
-    trajs, _ = suite_trajectories(source, split, base_traces, n_groups)
+    trajs, _ = suite_trajectories(source, split, base_traces, n_groups, gen_seed)
     tool_s, env_s, scale = TOOL_SPEEDS[tools]
     generated = hasattr(trajs[0], "tool_delays_s")
     if generated:
@@ -315,7 +362,7 @@ def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, a
     cap = min(max(cap, floor), max(cost.kv_capacity_tokens, floor))
     cfg = dict(num_engines=engines, preset=args.preset, kv_capacity_tokens=cap,
                tool_delay_s=tool_s, per_env_token_s=env_s, delay_jitter=args.jitter,
-               seed=args.seed, steps=2, warmup_steps=1)
+               seed=jitter_seed, steps=2, warmup_steps=1)
     rows, ceiling = run_policies(prepare_trajectories(trajs), cfg, group_size, pbar=bar,
                                  war_sim=_war_sim(args))
     info = {"source": source, "split": split, "engines": engines, "pressure": pressure,
@@ -327,6 +374,7 @@ def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, a
             "longest_sequence_tokens": longest, "live_context_tokens": footprint,
             "per_engine_live_over_kv": footprint / engines / cap,
             "turns": int(sum(len(t.turns) for t in measured))}
+    info["draw_seeds"] = {"generator": None if source == "tau" else gen_seed, "tool_jitter": jitter_seed}
     return {"workload": info, "results": rows, "ceiling": ceiling}
 
 
@@ -564,11 +612,12 @@ def run_suite(args):
     combos = [(src, e, p, t) for src in sources for e in engines for p in pressures for t in tools]
     out = {"benchmark": "dispatch_suite", "simulated": True, "suite": True, "split": args.split, "preset": get_preset(args.preset).to_dict(),
            "delay_jitter": args.jitter, "seed": args.seed, "tool_speeds": TOOL_SPEEDS,
-           "generator_seed": GENERATOR_SEEDS[args.split], "war_sim": _war_sim(args), "runs": []}
+           "generator_seed": GENERATOR_SEEDS[args.split], "draws": args.draws, "war_sim": _war_sim(args),
+           "runs": []}
     if args.workers > 1:
         out["runs"] = _run_cells_in_workers(combos, base, args, out)
     else:
-        with tqdm(total=len(combos) * len(POLICY_ORDER), desc="suite", file=sys.stderr) as bar:
+        with tqdm(total=len(combos) * len(POLICY_ORDER) * args.draws, desc="suite", file=sys.stderr) as bar:
             for src, e, p, t in combos:
                 out["runs"].append(run_cell(src, args.split, base, e, p, t, args.per_engine, args, bar))
                 write_json(args.json, out)  # partial results survive
@@ -600,6 +649,10 @@ def main(argv=None):
     ap.add_argument("--jitter", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--war-kwargs", default="{}", help="JSON kwargs for the war policy")
+    ap.add_argument("--draws", type=int, default=1,
+                    help="--suite: workload draws per cell (generated sources: generator seeds of the "
+                         "split's parity; the trace file: tool-delay seeds); each policy's step is its "
+                         "mean over the draws")
     ap.add_argument("--war-turn-priority", choices=["none", "longest_first"], default="none",
                     help="war's engines schedule by vLLM request priority, each turn's from its "
                          "trajectory's predicted remaining turns (the pool's turn_priority)")
@@ -627,6 +680,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.suite_from:
         return merge_suite(args)
+    if args.draws < 1:
+        raise SystemExit(f"--draws must be >= 1, got {args.draws}")
     if args.suite:
         if "tau" in args.sources.split(",") and not args.traces:
             raise SystemExit("--suite with source tau needs --traces FILE")
