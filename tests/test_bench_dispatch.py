@@ -186,3 +186,26 @@ def test_draws_average_each_policy_over_workloads_of_the_splits_parity(tmp_path)
     proc = subprocess.run([sys.executable, str(TOOL), *common, "--draws", "0", "--json", str(tmp_path / "x.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "--draws must be >= 1" in proc.stderr
+
+
+def test_draws_reading_places_the_losing_cells_by_pressure_and_their_swing():
+    import pytest
+
+    from war_openrlhf.metrics.docs_renderers import dispatch_suite_draws_reading
+
+    d = _suite(60.0, 66.3, 0, "a" * 40, cells=(("tau", 4, 1.0, "fast"), ("tau", 4, 4.0, "fast")))
+    d["cells"][0]["war_over_best_peer"], d["cells"][1]["war_over_best_peer"] = 1.01, 0.95
+    d["cells"][1]["best_peer"] = "sticky"
+    for run in d["runs"]:
+        for res in run["results"].values():
+            res["draws"] = [{"makespan_s": res["makespan_s"]}, {"makespan_s": res["makespan_s"]}]
+    d["runs"][1]["results"]["war"]["draws"] = [{"makespan_s": 66.3}, {"makespan_s": 78.0}]
+    text = dispatch_suite_draws_reading(d)
+    assert "2 draws per cell" in text and "pressure 1: 0 of 1, pressure 4: 1 of 1" in text
+    assert "by 0.150-0.150" in text  # 66.3/66.3 - 66.3/78.0
+    for run in d["runs"]:
+        for res in run["results"].values():
+            del res["draws"]
+    with pytest.raises(ValueError, match="several draws"):
+        dispatch_suite_draws_reading(d)
+

@@ -515,6 +515,34 @@ def dispatch_suite_ablation_reading(base: dict, variant: dict) -> str:
             f"{sum(x >= 0.98 for x in before)} without, {sum(x >= 0.98 for x in after)} with.\n")
 
 
+@renderer("dispatch_suite_draws_reading")
+def dispatch_suite_draws_reading(d: dict) -> str:
+    """A suite run on several workload draws per cell: where the cells below 0.98 of the best
+    peer are (by KV pressure), and how far war / that peer moves from draw to draw there."""
+    cells = _suite_cells(d)
+    n = len(cells[0][1]["results"]["war"].get("draws", ()))
+    if n < 2:
+        raise ValueError("not a suite run on several draws per cell (bench_dispatch --draws)")
+    below = [(c, r) for c, r in cells if c["war_over_best_peer"] < 0.98]
+    by_p: dict = {}
+    for c, _ in cells:
+        p = c["cell"]["pressure"]
+        by_p.setdefault(p, [0, 0])[0] += 1
+        by_p[p][1] += c["war_over_best_peer"] < 0.98
+    per = ", ".join(f"pressure {p:g}: {b} of {t}" for p, (t, b) in sorted(by_p.items()))
+    swings = []
+    for c, r in below:
+        res, peer = r["results"], c["best_peer"]
+        ratios = [pd["makespan_s"] / wd["makespan_s"] for pd, wd in zip(res[peer]["draws"], res["war"]["draws"])]
+        swings.append(max(ratios) - min(ratios))
+    text = (f"{n} draws per cell; cells below 0.98 of the best peer (on the mean steps), by KV "
+            f"pressure: {per}.")
+    if swings:
+        text += (f" In those cells war / the best peer moves from draw to draw by "
+                 f"{min(swings):.3f}-{max(swings):.3f} (max - min over the draws).")
+    return text + "\n"
+
+
 @renderer("dispatch_suite_targets")
 def dispatch_suite_targets(d: dict) -> str:
     """The suite's three targets, met or missed, with the cell behind each minimum (the tool's
