@@ -524,11 +524,12 @@ def test_engine_admits_by_priority_only_when_asked():
 def test_longest_first_simulation_conserves_and_changes_order():
     """Under KV pressure, longest-first priorities run every turn exactly once (the ledger's
     checks) and change the schedule; bad values name the field."""
-    trajs = workload(groups=6, trials=4, turns=5, prompt_len=256, resp=48, env=64, seed=3)
+    trajs = workload(groups=6, trials=4, turns=6, prompt_len=256, resp=48, env=64, seed=3)
     # uneven turn counts, so that siblings say something: drop turns from some trajectories
     for i, t in enumerate(trajs):
-        t.turns[:] = t.turns[: 2 + (i * 7) % 4]
-    base = dict(num_engines=2, kv_capacity_tokens=2048, tool_delay_s=0.05, steps=2, warmup_steps=1)
+        t.turns[:] = t.turns[: 2 + (i * 7) % 5]
+    # KV for a few requests per engine, so that turns of different trajectories wait together
+    base = dict(num_engines=2, kv_capacity_tokens=1280, tool_delay_s=0.05, steps=2, warmup_steps=1)
     fcfs = simulate(trajs, "war", SimConfig(**base))
     lf = simulate(trajs, "war", SimConfig(**base, turn_priority="longest_first"))
     assert lf.turns == fcfs.turns and lf.generated_tokens == fcfs.generated_tokens
@@ -536,7 +537,7 @@ def test_longest_first_simulation_conserves_and_changes_order():
     # a predictor seeded with earlier groups' turn counts orders the first (unwarmed) step too
     cold = dict(base, steps=1, warmup_steps=0, turn_priority="longest_first")
     unseeded = simulate(trajs, "war", SimConfig(**cold))
-    seeded = simulate(trajs, "war", SimConfig(**cold, turn_priority_history=((2, 5), (3, 3), (5, 4), (2, 2))))
+    seeded = simulate(trajs, "war", SimConfig(**cold, turn_priority_history=((2, 6), (3, 3), (5, 4), (2, 2))))
     assert seeded.turns == unseeded.turns
     assert seeded.turn_latency_p50_s != unseeded.turn_latency_p50_s or seeded.makespan_s != unseeded.makespan_s
     with pytest.raises(ValueError, match="turn_priority"):
