@@ -186,6 +186,9 @@ def test_draws_average_each_policy_over_workloads_of_the_splits_parity(tmp_path)
     proc = subprocess.run([sys.executable, str(TOOL), *common, "--draws", "0", "--json", str(tmp_path / "x.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "--draws must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, str(TOOL), "--draws", "2", "--json", str(tmp_path / "y.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "--draws applies to --suite runs only" in proc.stderr
 
 
 def test_draws_reading_places_the_losing_cells_by_pressure_and_their_swing():

@@ -542,3 +542,6 @@ def test_longest_first_simulation_conserves_and_changes_order():
     assert seeded.turn_latency_p50_s != unseeded.turn_latency_p50_s or seeded.makespan_s != unseeded.makespan_s
     with pytest.raises(ValueError, match="turn_priority"):
         SimConfig(**base, turn_priority="shortest").validate()
+    for bad in (((),), ((3, 0),), ((2, 1.5),)):
+        with pytest.raises(ValueError, match="turn_priority_history"):
+            SimConfig(**base, turn_priority="longest_first", turn_priority_history=bad).validate()

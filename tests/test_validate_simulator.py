@@ -219,8 +219,12 @@ def test_longest_first_is_simulated_on_priority_engines_with_the_runs_predictor(
         return real(prepared, policy, cfg)
 
     monkeypatch.setattr(cluster, "simulate", spy)
+    from war_openrlhf.dispatch.turn_priority import TurnPriorities
+
     history = [[1, 3, 3, 3], [2, 1, 1, 2], [3, 3, 1, 3]]
-    monkeypatch.setattr(br, "_PRIORITY_HISTORY", history)
+    seeded = TurnPriorities()
+    seeded.seed(history)
+    monkeypatch.setattr(br, "_PRIORITY_SEED", [seeded])
     spec = ROOT / "benchmarks" / "results" / "engine" / "cost_serving_cpu_policy.json"
     summary = {"openrlhf": {}, "war": {}, "war_longest_first": {}}
     out = br.simulate_configs(_trajectories(), str(spec), 2, None, summary)

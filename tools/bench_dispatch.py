@@ -48,7 +48,8 @@ Policy kwargs (the policies' code is not touched): ``least_loaded`` gets
 ``war`` runs with its defaults unless ``--war-kwargs JSON`` is given (reported in the output);
 ``--war-turn-priority longest_first`` runs war's engines with vLLM's priority scheduling and each
 turn's priority from its trajectory's predicted remaining turns (``war_sim`` in the output), the
-peers' engines unchanged.
+peers' engines unchanged. ``--suite --draws N`` runs every cell on N workload draws
+(:func:`draw_seeds`) and compares each policy's mean step (:func:`merge_draws`).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def run_cell(source, split, base_traces, engines, pressure, tools, per_engine, a
     ceiling of the measured step; with ``args.draws`` > 1, that many draws of the cell's
     workload (:func:`draw_seeds`), every policy on each, merged by :func:`merge_draws`."""
     draws = [_run_draw(source, split, base_traces, engines, pressure, tools, per_engine, args, d, bar)
-             for d in range(getattr(args, "draws", 1))]
+             for d in range(args.draws)]
     return draws[0] if len(draws) == 1 else merge_draws(draws)
 
 
@@ -682,6 +683,8 @@ def main(argv=None):
         return merge_suite(args)
     if args.draws < 1:
         raise SystemExit(f"--draws must be >= 1, got {args.draws}")
+    if args.draws > 1 and not args.suite:
+        raise SystemExit("--draws applies to --suite runs only")
     if args.suite:
         if "tau" in args.sources.split(",") and not args.traces:
             raise SystemExit("--suite with source tau needs --traces FILE")

@@ -304,8 +304,8 @@ def simulate_configs(trajs, cost_model: str, engines: int, kv_tokens: int | None
                                                                                          war_engines))
         priority = {}
         if name in PRIORITY_CONFIGS:  # vLLM priority scheduling, the predictor seeded as the run's was
-            priority = {"turn_priority": "longest_first",
-                        "turn_priority_history": tuple(map(tuple, _PRIORITY_HISTORY))}
+            history = _PRIORITY_SEED[0].records.state_dict()["history"] if _PRIORITY_SEED else ()
+            priority = {"turn_priority": "longest_first", "turn_priority_history": tuple(map(tuple, history))}
         cfg = SimConfig(num_engines=engines, preset=own or cost_model,
                         kv_capacity_tokens=kv_tokens,
                         spec_tokens_per_step=tps or 1.0, spec_drafted_per_step=drafted or 0.0, **priority)
@@ -345,8 +345,6 @@ def _percentile(values, q):
 #: traces: the longest-first predictor, fitted on the turn counts of the trace's tasks that this run
 #: does not replay (every repeat starts from a copy: no repeat learns from another's, or the reported, tasks)
 _PRIORITY_SEED: list = []
-#: the same fit data as turn counts of finished groups (the simulator's ``turn_priority_history``)
-_PRIORITY_HISTORY: list = []
 
 
 #: the half a longest-first predictor is fitted on, for each half a run replays
@@ -371,7 +369,6 @@ def seed_priorities(spec: str, split: str, seed: int) -> None:
     tp = TurnPriorities()
     tp.seed(counts)
     _PRIORITY_SEED[:] = [tp]
-    _PRIORITY_HISTORY[:] = counts
     print(f"longest-first predictor fitted on the {_OTHER_HALF[split]} half ({len(counts)} tasks)", flush=True)
 
 

@@ -445,6 +445,11 @@ def _war_over_best(run: dict) -> tuple:
     return res["war"]["throughput_tok_s"] / res[peer]["throughput_tok_s"], peer
 
 
+def _war_over_best_both(pairs: list) -> tuple:
+    """war / best peer in the first and in the second file, over ``_rerun_pairs``' cells."""
+    return [_war_over_best(o)[0] for _, o, _ in pairs], [_war_over_best(r)[0] for _, _, r in pairs]
+
+
 @renderer("dispatch_suite_rerun")
 def dispatch_suite_rerun(old: dict, new: dict) -> str:
     """Cells of a suite rerun at a later commit beside the same cells of the earlier file: war
@@ -467,8 +472,7 @@ def dispatch_suite_rerun_reading(old: dict, new: dict) -> str:
     """What the rerun changed: how many cells, the minimum of war / best peer before and after,
     and the commits of both files."""
     pairs = _rerun_pairs(old, new)
-    before = [_war_over_best(o)[0] for _, o, _ in pairs]
-    after = [_war_over_best(r)[0] for _, _, r in pairs]
+    before, after = _war_over_best_both(pairs)
     changed = sum(1 for _, o, r in pairs if o["results"]["war"]["makespan_s"] != r["results"]["war"]["makespan_s"])
     commit = lambda d: d.get("git", {}).get("commit", "?")[:7]  # noqa: E731
     return (f"{len(pairs)} cells of the earlier suite (commit `{commit(old)}`) rerun at commit `{commit(new)}`; "
@@ -502,8 +506,7 @@ def dispatch_suite_ablation_reading(base: dict, variant: dict) -> str:
         raise ValueError("the variant file changes no option of war's (no war_sim)")
     option = ", ".join(f"`{k}: {v}`" for k, v in variant["war_sim"].items())
     speed = [o["results"]["war"]["makespan_s"] / r["results"]["war"]["makespan_s"] for _, o, r in pairs]
-    before = [_war_over_best(o)[0] for _, o, _ in pairs]
-    after = [_war_over_best(r)[0] for _, _, r in pairs]
+    before, after = _war_over_best_both(pairs)
     commit = lambda d: d.get("git", {}).get("commit", "?")[:7]  # noqa: E731
     return (f"war with {option} against war without it, {len(pairs)} cells (commits `{commit(base)}`, "
             f"`{commit(variant)}`; the peers' results identical): speed-up geometric mean "

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..dispatch import DEFER, DispatchPolicy, EngineState, TurnRequest
 from ..dispatch.kv_events import KvEventTranslator
+from ..dispatch.turn_priority import TurnPriorities
 from .config import RolloutConfig
 from .engine_client import EngineClient, EngineDead
 from .log_shipper import LogShipper
-from ..dispatch.turn_priority import TurnPriorities
 from .turn_result import TurnResult
 
 __all__ = ["TurnRouter"]

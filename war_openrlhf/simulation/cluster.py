@@ -166,6 +166,10 @@ class SimConfig:
             raise ValueError(f"reported_kv_scale must be > 0, got {self.reported_kv_scale!r}")
         if self.turn_priority not in ("none", "longest_first"):
             raise ValueError(f"turn_priority must be 'none' or 'longest_first', got {self.turn_priority!r}")
+        for g in self.turn_priority_history:
+            if not g or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t > 0 for t in g):
+                raise ValueError("turn_priority_history: each group is a non-empty sequence of turn counts "
+                                 f"(positive ints), got {g!r}")
         if not 0 <= self.delay_jitter < 1:
             raise ValueError(f"delay_jitter must be in [0, 1), got {self.delay_jitter!r}")
         if not isinstance(self.steps, int) or self.steps <= 0:
