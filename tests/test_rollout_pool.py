@@ -306,6 +306,76 @@ def test_logprobs_equal_a_plain_forward_pass(pool):
         assert mask.sum() > 0 and np.allclose(got[mask], ref[mask], atol=2e-3)
 
 
+def test_episodes_hosted_beside_their_engine(pool):
+    """``episode_host: engine``: the pool places each episode and its engine runs it whole; what
+    comes back is what the pool's own loop would hand the trainer (mask, logprobs of the model,
+    the tools' tokens between turns), every turn on the hosting engine, and each finished turn
+    reaches the global log and the dispatcher's model of that engine's cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sib = _sibling(pool, episode_host="engine")
+    records, ship = {}, sib.shipper.record
+
+    def spy(trajectory_id, group_id, version, context, response):  # what the global log is given
+        records[(trajectory_id, len(context))] = (list(context), list(response))
+        ship(trajectory_id, group_id, version, context, response)
+
+    sib.shipper.record = spy
+    before = [ray_stats["hosted_episodes"] for ray_stats in _raw_stats(pool)]
+    res = sib.run_batch(["Question: what is 2+3?", "Find the status of flight AA12."], ["ok", "ok"])
+    assert len(res.trajectories) == 6 and res.end_reasons == {"done": 6}
+    after = [ray_stats["hosted_episodes"] for ray_stats in _raw_stats(pool)]
+    assert sum(after) - sum(before) == 6
+    assert sum(res.engine_turns) == 18
+    model = AutoModelForCausalLM.from_pretrained(pool.config.engine.model, dtype=torch.float32).eval()
+    for t in res.trajectories:
+        t.check()
+        assert len(t.turns) == 3 and t.reward == 1.0 and len({r.engine for r in t.turns}) == 1
+        fb = sib.tokenizer.decode(t.token_ids[t.turns[0].end:t.turns[1].start])
+        assert fb == "\n<tool_response>result 1</tool_response>\n"
+        assert all(0 <= a.dispatched_s < b.dispatched_s <= t.finished_s for a, b in zip(t.turns, t.turns[1:]))
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([t.token_ids])).logits[0].float(), -1)
+        mask = np.array(t.action_mask[1:], dtype=bool)
+        ref = np.array([float(lp[i - 1, tok]) for i, tok in enumerate(t.token_ids) if i > 0])
+        assert np.allclose(np.array(t.logprobs[1:])[mask], ref[mask], atol=2e-3)
+        for rec in t.turns:  # the turn's record in the global log: its context and its response
+            assert records[(t.trajectory_id, rec.start)] == (t.token_ids[:rec.start], t.token_ids[rec.start:rec.end])
+        # the dispatcher's model of the caches now holds the whole trajectory on its engine
+        from war_openrlhf.dispatch.block_index import BLOCK_SIZE, TrajectoryChain
+
+        chain, last = TrajectoryChain(), t.turns[-1]
+        chain.sync(np.asarray(t.token_ids[:last.end], dtype=np.int32))
+        held = sib.policy.index.matched_blocks(last.engine, chain.hashes)
+        assert last.start > 2 * BLOCK_SIZE and held == last.end // BLOCK_SIZE, (held, last.end)
+
+
+def _raw_stats(pool):
+    import ray
+
+    return ray.get([e.handle.stats.remote() for e in pool.engines])
+
+
+def test_a_hosted_episode_that_fails_fails_alone(pool, tmp_path):
+    """A label msgpack cannot carry travels over Ray; an agent that raises in the engine's actor
+    ends its own episode (recorded), not the batch, and a host config error names the field."""
+    sib = _sibling(pool, episode_host="engine", on_tool_error="end")
+    res = sib.run_batch(["a", "b"], [{"ok": {1, 2}}, "raise"], n_samples_per_prompt=2)
+    reasons = sorted((t.label if isinstance(t.label, str) else "set", t.end_reason) for t in res.trajectories)
+    assert reasons == [("raise", "tool_error"), ("raise", "tool_error"), ("set", "done"), ("set", "done")], reasons
+    assert all("database is locked" in t.error for t in res.trajectories if t.end_reason == "tool_error")
+    with pytest.raises(ValueError, match="agent_func_path"):
+        RolloutPool(_config(Path(pool.config.engine.model), Path(pool.config.agent_func_path), episode_host="engine",
+                            agent_func_path=""), [e.handle for e in pool.engines], tokenizer=pool.tokenizer,
+                    agent_cls=pool.agent_cls)
+    with pytest.raises(ValueError, match="episode_host: 'actor'"):
+        RolloutConfig(episode_host="actor")
+    with pytest.raises(ValueError, match="turn_priority"):
+        RolloutConfig(episode_host="engine", turn_priority="longest_first",
+                      engine=dict(scheduling_policy="priority"))
+
+
 def test_tool_error_becomes_an_observation_or_ends_the_episode(pool):
     sib = _sibling(pool)
     observe = sib.run_batch(["a", "b"], ["raise", "ok"], n_samples_per_prompt=2)

@@ -241,6 +241,7 @@ class WarEngine:
         # running turns that name a trajectory and a group: request id -> [trajectory, group, tokens
         # handed out]; their new tokens are in-flight chunks (inflight_chunks)
         self._inflight: dict[str, list] = {}
+        self._episode_host = None  # EpisodeHost, made at the first hosted episode (episode_host: engine)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -335,7 +336,8 @@ class WarEngine:
 
             # the pool's periodic calls while a batch runs travel here too (not as Ray tasks)
             self._turn_channel = TurnChannelServer(self.generate_tokens, calls={
-                "inflight_chunks": self.inflight_chunks, "push_log": self.push_log, "load": self.load})
+                "inflight_chunks": self.inflight_chunks, "push_log": self.push_log, "load": self.load,
+                "host_episode": self.host_episode})
         return await self._turn_channel.start()
 
     async def shutdown(self) -> None:
@@ -450,6 +452,17 @@ class WarEngine:
                                        max_length=max_length, hf_tokenizer=hf_tokenizer, llm_engine=self,
                                        images=images) for _ in range(num_samples)]
         return await asyncio.gather(*tasks)
+
+    async def host_episode(self, key: str, config: Mapping[str, Any], prompt: str, label: Any, trajectory_id: str,
+                           group_id: str) -> dict[str, Any]:
+        """Run one whole episode beside this engine (``RolloutConfig.episode_host: engine``,
+        :mod:`war_openrlhf.rollout.episode_host`): its agent and tokenizer in this actor, every
+        turn on this engine. Returns the trajectory as a msgpack-native dict."""
+        if self._episode_host is None:
+            from ..rollout.episode_host import EpisodeHost
+
+            self._episode_host = EpisodeHost(self)
+        return await self._episode_host.run(key, dict(config), prompt, label, trajectory_id, group_id)
 
     async def kv_events(self) -> list:
         """What the prefix cache stored and evicted since the last call, in order, as the
@@ -568,6 +581,7 @@ class WarEngine:
             "pid": os.getpid(),  # the engine's process (operators: a hung engine's stack, its memory)
             "requests_served": self._requests_served,
             "request_seconds": self._request_seconds,
+            "hosted_episodes": self._episode_host.episodes if self._episode_host is not None else 0,
         }
         if self._kv_events is not None:
             out["kv_events"] = self._kv_events.stats()

@@ -27,6 +27,7 @@ ON_TOOL_ERROR = ("observe", "end")
 ENGINE_RECOVERY = ("off", "reinstate", "restart")
 TURN_TRANSPORTS = ("direct", "ray")
 AGENT_RUNNERS = ("thread", "loop")
+EPISODE_HOSTS = ("driver", "engine")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class RolloutConfig:
     stats_interval_s: float = 2.0
     load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
     turn_transport: str = "direct"  # direct: turns on a socket to each engine actor; ray: a Ray call per turn
+    episode_host: str = "driver"  # engine: whole episodes run beside their engine (rollout/episode_host.py)
     turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (dispatch/turn_priority.py)
     progress: bool = True
     warm_up: bool = True
@@ -112,6 +114,14 @@ class RolloutConfig:
                              f"{', '.join(AGENT_RUNNERS)} (thread: each episode's agent on a thread of its own, "
                              "a blocking tool stalls only its episode; loop: agents on the pool's event loop, "
                              "for agents whose tools never block it)")
+        if self.episode_host not in EPISODE_HOSTS:
+            raise ValueError(f"RolloutConfig.episode_host: '{self.episode_host}' is not one of "
+                             f"{', '.join(EPISODE_HOSTS)} (driver: every turn dispatched from the pool; engine: "
+                             "the pool places each episode, which then runs beside its engine)")
+        if self.episode_host == "engine" and self.turn_priority != "none":
+            raise ValueError("RolloutConfig.turn_priority: longest_first sets each turn's priority from the pool's "
+                             "predictor, which episodes hosted beside their engine (episode_host: engine) do not "
+                             "consult; use one or the other")
         if self.turn_priority not in ("none", "longest_first"):
             raise ValueError(f"RolloutConfig.turn_priority: '{self.turn_priority}' is not one of none, longest_first")
         if self.turn_priority != "none" and self.engine.scheduling_policy != "priority":

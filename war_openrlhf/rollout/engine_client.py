@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol, Sequence, runtime_checkable
 
+import msgpack
 import numpy as np
 
 from ..dispatch import EngineState
@@ -128,6 +129,7 @@ class EngineClient:
         self.step_cost_source = "computed"
         self.load_at = 0.0  # monotonic time of the last queue report (a poll or a turn's answer)
         self.step_cost_at = 0.0  # ... and of the last step-cost report (polls only)
+        self._probe: asyncio.Task | None = None  # a liveness question in flight (_confirm_alive)
         self.on_dead: Any = None  # called once with this client when it is marked dead (the pool's recovery)
 
     # ------------------------------------------------------------------ calls
@@ -318,6 +320,55 @@ class EngineClient:
             self.load_at = time.monotonic()
             if not cost_fresh:
                 self.step_cost_at = self.load_at
+
+    async def host_episode(self, key: str, config: dict[str, Any], prompt: str, label: Any, trajectory_id: str,
+                           group_id: str, *, check_every_s: float) -> dict[str, Any]:
+        """One whole episode beside this engine (``WarEngine.host_episode``); its trajectory as a
+        dict. On this loop's turn channel when its arguments are msgpack-native, else over Ray.
+        While it runs, the engine is asked every ``check_every_s`` whether it lives (one question
+        per engine at a time, however many episodes it hosts): a dead or silent engine is marked
+        dead and :class:`EngineDead` raised, so a frozen actor never holds the batch."""
+        args = (key, config, prompt, label, trajectory_id, group_id)
+        loop = asyncio.get_running_loop()
+        channel = self._channel
+        work = None
+        if channel is not None and not channel.closed and channel.loop is loop:
+            try:
+                msgpack.packb(label, use_bin_type=True)  # the rest is the pool's own: str and plain dicts
+            except (TypeError, ValueError, OverflowError):
+                pass  # an agent's label msgpack cannot carry: over Ray
+            else:
+                work = loop.create_task(channel.call("host_episode", *args))
+        if work is None:
+            work = loop.create_task(self._call("host_episode", *args))
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=check_every_s)
+                if done:
+                    break
+                await self._confirm_alive(TimeoutError(f"a hosted episode ran {check_every_s:g} s more"))
+            return work.result()
+        except RemoteError as exc:
+            self._raise_if_died_inside(exc)
+            raise
+        except ChannelClosed as exc:
+            await self._check_alive(exc)  # EngineDead when the actor is gone
+            raise RuntimeError(f"engine {self.index}: the turn channel closed under a hosted episode "
+                               "(the engine lives; the episode runs again)") from exc
+        finally:
+            if not work.done():
+                work.cancel()
+
+    async def _confirm_alive(self, cause: BaseException) -> None:
+        """:meth:`_check_alive`, shared: one question in flight per engine and loop, answered for
+        every caller waiting on it."""
+        if not self.healthy:
+            raise EngineDead(f"engine {self.index}: {self.error}") from cause
+        loop = asyncio.get_running_loop()
+        probe = self._probe
+        if probe is None or probe.done() or probe.get_loop() is not loop:
+            probe = self._probe = loop.create_task(self._check_alive(cause))
+        await asyncio.shield(probe)
 
     async def kv_events(self) -> list:
         return await self._call("kv_events")

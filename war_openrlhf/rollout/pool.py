@@ -121,6 +121,9 @@ class RolloutPool:
                                  "agent file (see examples/)")
             agent_cls = load_agent_class(config.agent_func_path)
         self.agent_cls = agent_cls
+        if config.episode_host == "engine" and not config.agent_func_path:
+            raise ValueError("RolloutConfig.agent_func_path: episode_host: engine loads the agent from its file "
+                             "beside each engine; give the agent file, not only its class")
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -318,12 +321,18 @@ class RolloutPool:
 
         limiter = asyncio.Semaphore(self.config.max_agent_calls_in_flight)
 
+        hosted = HostedEpisodes(self, t0) if self.config.episode_host == "engine" else None
+
         async def one(p: int, s: int) -> Trajectory:
             tid = f"b{b}-p{p}-s{s}"
             for attempt in range(self.config.engine_retries + 1):
-                traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
-                                         label=labels[p], trajectory_id=tid if not attempt else f"{tid}-r{attempt}",
-                                         group_id=f"b{b}-p{p}", t0=t0, limiter=limiter)
+                run_id = tid if not attempt else f"{tid}-r{attempt}"
+                if hosted is not None:
+                    traj = await hosted.run(prompts[p], labels[p], run_id, f"b{b}-p{p}")
+                else:
+                    traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
+                                             label=labels[p], trajectory_id=run_id, group_id=f"b{b}-p{p}", t0=t0,
+                                             limiter=limiter)
                 self.router.trajectory_finished(traj.trajectory_id, traj.group_id, len(traj.turns))
                 # an engine or environment failure is retried from the start (on whichever engine the
                 # dispatcher picks); an agent file's contract error would fail again: not retried
@@ -386,6 +395,60 @@ class RolloutPool:
                   n_samples_per_prompt: int | None = None) -> BatchResult:
         """Synchronous wrapper (one event loop per call)."""
         return asyncio.run(self.run_batch_async(prompts, labels, n_samples_per_prompt=n_samples_per_prompt))
+
+
+class HostedEpisodes:
+    """One batch's episodes run beside their engines (``episode_host: engine``,
+    :mod:`.episode_host`): the pool places each (its dispatcher's admission and placement of the
+    first turn, on the prompt's tokens), sends it whole, and takes what it learnt when it returns."""
+
+    def __init__(self, pool: RolloutPool, t0: float) -> None:
+        import hashlib
+        import json
+
+        self.pool = pool
+        self.t0 = t0
+        self.config = pool.config.as_dict()
+        digest = hashlib.sha1(json.dumps(self.config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.key = f"{pool.pool_id}-{digest}"  # the engines parse these settings once
+        self._prompt_tokens: dict[str, np.ndarray] = {}
+
+    def _context(self, prompt: str) -> np.ndarray:
+        ids = self._prompt_tokens.get(prompt)
+        if ids is None:  # a GRPO group's samples share it
+            ids = self._prompt_tokens[prompt] = np.asarray(
+                self.pool.tokenizer(text=prompt, add_special_tokens=False)["input_ids"], dtype=np.int32)
+        return ids
+
+    async def run(self, prompt: str, label: Any, trajectory_id: str, group_id: str) -> Trajectory:
+        """The episode, never raising: a placement or engine failure is an ``engine_error``."""
+        from ..dispatch.base import TurnRequest
+        from .episode_host import trajectory_from_wire
+
+        pool, router = self.pool, self.pool.router
+        start = time.perf_counter()
+        eid = None
+        try:
+            request = TurnRequest(trajectory_id, group_id, self._context(prompt), 0, 0, arrival_s=time.monotonic())
+            eid, _ = await router.choose(request)
+            eng = router.engines[eid]
+            eng.in_flight += 1  # the engine's live trajectory, running or on its tool, until it returns
+            sent = time.perf_counter()
+            try:
+                wire = await eng.host_episode(self.key, self.config, prompt, label, trajectory_id, group_id,
+                                              check_every_s=min(pool.config.turn_timeout_s, 30.0))
+            finally:
+                eng.in_flight -= 1
+            traj = trajectory_from_wire(wire, prompt, label, engine=eid, time_offset_s=sent - self.t0)
+        except Exception as exc:  # noqa: BLE001 - the episode's failure, retried by the batch
+            where = "" if eid is None else f"engine {eid}: "
+            traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label,
+                              end_reason="engine_error", error=f"{where}{type(exc).__name__}: {exc}"[:2000])
+            traj.wall_s = time.perf_counter() - start
+        else:
+            router.hosted_episode_finished(traj, eid)
+        traj.finished_s = time.perf_counter() - self.t0
+        return traj
 
 
 def _build_policy(config: RolloutConfig, num_engines: int) -> DispatchPolicy:

@@ -105,20 +105,7 @@ class TurnRouter:
                     if self.priorities is not None else 0)
         attempts = 0
         while True:
-            if self.before_dispatch is not None:
-                await self.before_dispatch()
-            states = [e.dispatch_state() for e in self.engines]
-            estimates = self._cache_estimates(ctx, states) if self.config.record_cache_estimates else None
-            eid = self.policy.choose(request, states)  # NoHealthyEngineError when all died
-            if eid == DEFER:
-                self.deferrals += 1
-                waited = time.perf_counter()
-                room = asyncio.get_running_loop().create_future()
-                self._deferred.append((self._deferred_seq, request, room))
-                self._deferred_seq += 1
-                await room
-                self.deferred_wait_s += time.perf_counter() - waited
-                continue
+            eid, estimates = await self.choose(request)
             eng = self.engines[eid]
             budget = int(sampling_params.get("max_tokens", 0))
             batch = eng.in_flight
@@ -143,6 +130,52 @@ class TurnRouter:
             await self.notify()
             return result
 
+    async def choose(self, request: TurnRequest) -> tuple[int, dict[int, int] | None]:
+        """The engine the policy names for ``request`` (and, with ``record_cache_estimates``, its
+        estimate of every engine's cached prefix before it chose); while the policy defers a first
+        turn (KV-aware admission) the request waits for a turn or trajectory to finish. Raises
+        ``NoHealthyEngineError`` when every engine died."""
+        while True:
+            if self.before_dispatch is not None:
+                await self.before_dispatch()
+            states = [e.dispatch_state() for e in self.engines]
+            estimates = (self._cache_estimates(request.context_token_ids, states)
+                         if self.config.record_cache_estimates else None)
+            eid = self.policy.choose(request, states)
+            if eid != DEFER:
+                return eid, estimates
+            self.deferrals += 1
+            waited = time.perf_counter()
+            room = asyncio.get_running_loop().create_future()
+            self._deferred.append((self._deferred_seq, request, room))
+            self._deferred_seq += 1
+            await room
+            self.deferred_wait_s += time.perf_counter() - waited
+
+    def hosted_episode_finished(self, traj: Any, eid: int) -> None:
+        """An episode that ran beside engine ``eid`` (``episode_host: engine``) came back: each of
+        its turns, in order, teaches the policy's cache model what that engine now holds and goes
+        to the global index, as a turn the pool dispatched does when it finishes. (The policy's
+        turn-cost fit learns nothing from them: their latencies were not measured at a batch size
+        the pool knows.)"""
+        tokens = np.asarray(traj.token_ids, dtype=np.int32)
+        generated = 0
+        for rec in traj.turns:
+            request = TurnRequest(traj.trajectory_id, traj.group_id, tokens[:rec.start], rec.index, generated)
+            response = tokens[rec.start:rec.end]
+            generated += len(response)
+            self.engines[eid].turns += 1
+            self.tokens_generated += len(response)
+            self.policy.on_turn_finished(request, eid, response)
+            self._record(request, rec.policy_versions, response)
+
+    def _record(self, request: TurnRequest, versions: Sequence[int], response: np.ndarray) -> None:
+        first, last = versions
+        if last > self.shipper.policy_version and self.on_newer_weights is not None:  # the weights moved on
+            self.on_newer_weights(last)
+        # the record ages from the oldest weights that produced any of its tokens
+        self.shipper.record(request.trajectory_id, request.group_id, first, request.context_token_ids, response)
+
     def _finished(self, request: TurnRequest, eid: int, result: TurnResult, *, latency_s: float, batch: int) -> None:
         """What a finished turn teaches the policy, and its record for the global index."""
         self.engines[eid].turns += 1
@@ -152,11 +185,7 @@ class TurnRouter:
         self.policy.observe_turn(eid, prompt_tokens=len(request.context_token_ids), cached_tokens=result.num_cached_tokens,
                                  response_tokens=len(response), latency_s=latency_s, batch=batch,
                                  trajectory_id=request.trajectory_id)
-        first, last = result.weight_versions
-        if last > self.shipper.policy_version and self.on_newer_weights is not None:  # the weights moved on
-            self.on_newer_weights(last)
-        # the record ages from the oldest weights that produced any of its tokens
-        self.shipper.record(request.trajectory_id, request.group_id, first, request.context_token_ids, response)
+        self._record(request, result.weight_versions, response)
 
     def _cache_estimates(self, ctx: np.ndarray, states: Sequence[EngineState]) -> dict[int, int] | None:
         """The dispatcher's estimate of each healthy engine's cached prefix of ``ctx`` before it
