@@ -14,6 +14,9 @@ the path a turn takes between two engine requests:
   war_loop  the same pool with every agent on the pool's event loop (``agent_runner: loop``: no
             thread hop per reset/step, as OpenRLHF runs agents on its actor's loop)
   war_ray   the same pool with a Ray actor call per turn (``turn_transport: ray``)
+  war_hosted  the same pool with every episode run beside its engine (``episode_host: engine``,
+            agents on the engine actor's loop as OpenRLHF runs them): the pool places each episode
+            and sends it whole, no pool hop per turn
 
 Two measurements, each path in rotating order, ``--repeats`` times:
 
@@ -22,7 +25,7 @@ Two measurements, each path in rotating order, ``--repeats`` times:
   waits per turn beyond generation, on its critical path;
 - *throughput* (all episodes at once): turns per second of the whole batch.
 
-For ``war`` and ``war_loop``, the driver is profiled (cProfile) in one extra run per mode, its CPU time per turn
+For ``war``, ``war_loop`` and ``war_hosted``, the driver is profiled (cProfile) in one extra run per mode, its CPU time per turn
 grouped by where it goes (Ray client, asyncio, agent thread hops, dispatch, log shipping, ...).
 
   python tools/bench_turn_path.py --json benchmarks/results/pool/turn_path.json
@@ -48,9 +51,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
 AGENT = ROOT / "examples" / "trace_replay" / "agent.py"
-PATHS = ("openrlhf", "war", "war_loop", "war_ray")
+PATHS = ("openrlhf", "war", "war_loop", "war_ray", "war_hosted")
 #: the pool paths whose driver is profiled
-PROFILED = ("war", "war_loop")
+PROFILED = ("war", "war_loop", "war_hosted")
 #: where the pool's driver CPU goes, by the file a function lives in (first match wins)
 GROUPS = (("ray client", ("/ray/",)), ("asyncio & threads", ("asyncio/", "threading.py", "concurrent/futures")),
           ("agent & tools", ("trace_replay", "openrlhf/utils/agent")),
@@ -96,13 +99,13 @@ def run_openrlhf(handle, rows, tokenizer, max_len):
     return st["wall_s"]
 
 
-def pool_config(model, max_len, turn_transport="direct", agent_runner="thread"):
+def pool_config(model, max_len, turn_transport="direct", agent_runner="thread", episode_host="driver"):
     from war_openrlhf.rollout import RolloutConfig
 
     engine = dict(model=str(model), dtype="float32", max_model_len=max_len, enforce_eager=True, speculation="none")
     return RolloutConfig(num_engines=1, agent_func_path=str(AGENT), n_samples_per_prompt=1, max_turns=1024,
                          max_context_tokens=max_len, temperature=1.0, progress=False, warm_up=False, engine=engine,
-                         turn_transport=turn_transport, agent_runner=agent_runner)
+                         turn_transport=turn_transport, agent_runner=agent_runner, episode_host=episode_host)
 
 
 def make_pool(cfg, handle, tokenizer):
@@ -188,7 +191,9 @@ def main(argv=None) -> int:
         handle = create_war_engines(1, cfg.engine, agent_func_path=str(AGENT))[0]
         pools = {"war": make_pool(cfg, handle, tokenizer),
                  "war_loop": make_pool(pool_config(model, max_len, agent_runner="loop"), handle, tokenizer),
-                 "war_ray": make_pool(pool_config(model, max_len, "ray"), handle, tokenizer)}
+                 "war_ray": make_pool(pool_config(model, max_len, "ray"), handle, tokenizer),
+                 "war_hosted": make_pool(pool_config(model, max_len, agent_runner="loop", episode_host="engine"),
+                                         handle, tokenizer)}
         for path in PATHS:  # first-use costs (imports, the executor's agent module) stay out of the runs
             measure(path, handle, pools, work["throughput"][:2], tokenizer, max_len, sequential=False)
         runs = {(p, m): [] for p in PATHS for m in MODES}

@@ -847,9 +847,27 @@ def turn_path_reading(d: dict) -> str:
             f"{lat['war']['path_per_turn_us_median']:.0f} us, OpenRLHF's executor "
             f"{lat['openrlhf']['path_per_turn_us_median']:.0f} us: the pool's path is {ratios['war']:.2f}x the "
             f"executor's. All episodes at once: {thr['war']['turns_per_s_median']:.1f} against "
-            f"{thr['openrlhf']['turns_per_s_median']:.1f} turns/s.{loop}{_ray_turns(lat, thr)} Target (the pool's "
+            f"{thr['openrlhf']['turns_per_s_median']:.1f} turns/s.{loop}{_ray_turns(lat, thr)}{_hosted_turns(d, lat, thr)}"
+            f" Target (the pool's "
             f"path <= 0.25x the executor's): {'met' if ratios[best] <= 0.25 else 'missed'} (best: {best}, "
             f"{ratios[best]:.2f}x). ({d['regime']}; {load_note(d)})\n")
+
+
+def _hosted_turns(d: dict, lat: dict, thr: dict) -> str:
+    """Episodes beside their engine (``episode_host: engine``), where the run has them: the path
+    per turn, and the pool's own CPU per turn (its process, every thread) against the per-turn pool's."""
+    if "war_hosted" not in lat:
+        return ""
+    ratio = d["path_x_openrlhf_path"]["war_hosted"]
+    cpu = {(r["path"], r["mode"]): r["driver_cpu_per_turn_us"] for r in d.get("profile", [])
+           if r["group"].startswith("process CPU total")}
+    driver = ""
+    if ("war_hosted", "throughput") in cpu and ("war_loop", "throughput") in cpu:
+        driver = (f"; the pool's process spent {cpu[('war_hosted', 'throughput')]:.0f} us of CPU per turn all at "
+                  f"once, against {cpu[('war_loop', 'throughput')]:.0f} us with agents on its own loop")
+    return (f" Episodes beside their engine (`episode_host: engine`, agents on the engine actor's loop): "
+            f"{lat['war_hosted']['path_per_turn_us_median']:.0f} us per turn one at a time ({ratio:.2f}x the "
+            f"executor's), {thr['war_hosted']['turns_per_s_median']:.1f} turns/s all at once{driver}.")
 
 
 def _ray_turns(lat: dict, thr: dict) -> str:
