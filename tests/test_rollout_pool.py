@@ -138,6 +138,37 @@ def test_config_errors_name_the_key(tmp_path):
     assert RolloutConfig.from_yaml(ROOT / "configs" / "rollout.yaml") == RolloutConfig()
 
 
+def test_a_hosted_trajectory_crosses_the_wire_whole():
+    """What an engine sends back for a hosted episode is the trajectory again (msgpack on the
+    turn channel), its turns' dispatch times moved to the batch's clock; a turn naming another
+    engine, or a missing field, is refused naming it."""
+    import dataclasses
+
+    import msgpack
+
+    from war_openrlhf.rollout.episode_host import trajectory_from_wire, trajectory_to_wire
+    from war_openrlhf.rollout.trajectory import Trajectory, TurnRecord
+
+    turns = [TurnRecord(index=i, engine=1, start=3 + 4 * i, end=5 + 4 * i, prompt_tokens=3 + 4 * i, cached_tokens=0,
+                        finish_reason="length", dispatched_s=0.5 * i, generate_s=0.1, tool_s=0.01 * i,
+                        policy_versions=(2, 3), queue_s=0.001, prefill_s=None, tool_error="x" if i else None)
+             for i in range(3)]
+    traj = Trajectory("t", "g", "prompt", {"any": "label"}, token_ids=list(range(15)), action_mask=[0] * 15,
+                      logprobs=[-0.5] * 15, turns=turns, reward=1.0, score=None, end_reason="done",
+                      extra_logs={"steps": 3.0}, truncated=True, wall_s=2.0, finished_s=9.0)
+    wire = msgpack.unpackb(msgpack.packb(trajectory_to_wire(traj), use_bin_type=True), raw=False)
+    assert "prompt" not in wire and "label" not in wire
+    back = trajectory_from_wire(wire, "prompt", {"any": "label"}, engine=1, time_offset_s=10.0)
+    moved = [dataclasses.replace(t, dispatched_s=t.dispatched_s + 10.0) for t in turns]
+    assert back == dataclasses.replace(traj, turns=moved)
+    with pytest.raises(ValueError, match="turn 0 names engine 1, hosted on engine 0"):
+        trajectory_from_wire(wire, "prompt", None, engine=0)
+    with pytest.raises(ValueError, match="engine 1: malformed trajectory.*'tokens'"):
+        trajectory_from_wire(wire | {"tokens": []}, "p", None, engine=1)
+    with pytest.raises(ValueError, match="engine 1: malformed trajectory.*'turns'"):
+        trajectory_from_wire({k: v for k, v in wire.items() if k != "turns"}, "p", None, engine=1)
+
+
 def test_step_result_checks():
     with pytest.raises(ValueError, match="missing key 'done'"):
         check_step_result({"rewards": 1.0, "environment_feedback": ""})
