@@ -154,20 +154,23 @@ class TurnRouter:
 
     def hosted_episode_finished(self, traj: Any, eid: int) -> None:
         """An episode that ran beside engine ``eid`` (``episode_host: engine``) came back: each of
-        its turns, in order, teaches the policy's cache model what that engine now holds and goes
-        to the global index, as a turn the pool dispatched does when it finishes. (The policy's
-        turn-cost fit learns nothing from them: their latencies were not measured at a batch size
-        the pool knows.)"""
+        its turns goes to the global index, as a turn the pool dispatched does when it finishes,
+        and its last turn tells the policy what that engine now holds (its context holds every
+        earlier turn, so the policy's model of the caches ends where turn-by-turn calls would
+        leave it). The policy's turn-cost fit learns nothing from them: their latencies were not
+        measured at a batch size the pool knows."""
         tokens = np.asarray(traj.token_ids, dtype=np.int32)
         generated = 0
+        request = response = None
         for rec in traj.turns:
             request = TurnRequest(traj.trajectory_id, traj.group_id, tokens[:rec.start], rec.index, generated)
             response = tokens[rec.start:rec.end]
             generated += len(response)
-            self.engines[eid].turns += 1
-            self.tokens_generated += len(response)
-            self.policy.on_turn_finished(request, eid, response)
             self._record(request, rec.policy_versions, response)
+        if request is not None:
+            self.engines[eid].turns += len(traj.turns)
+            self.tokens_generated += generated
+            self.policy.on_turn_finished(request, eid, response)
 
     def _record(self, request: TurnRequest, versions: Sequence[int], response: np.ndarray) -> None:
         first, last = versions
