@@ -6,7 +6,9 @@ This runs ``--episodes`` episodes (``--group`` samples per prompt) in ONE batch 
 over ``--engines`` CPU engines (the default engine kind: WAR's drafting engines, index replicas
 fed by the log), every turn forced to ``--tokens`` tokens, tools answering at once
 (``examples/trace_replay`` with zero delays), for each ``--agent-runners`` setting in rotating
-order, ``--repeats`` times. It checks and records:
+order, ``--repeats`` times (``thread`` / ``loop``: the pool's ``agent_runner``, every turn
+dispatched from the pool; ``hosted``: ``episode_host: engine``, each episode placed by the pool
+and run beside its engine, its agent on the engine actor's loop). It checks and records:
 
 - every episode comes back, ended by its own last turn (``end_reason`` counts; 0 lost);
 - the pool's CPU per turn: the driver process's CPU time (every thread: event loop, agent
@@ -42,7 +44,7 @@ from bench_turn_path import AGENT, GROUPS, WAITS, require_positive, rows_for  # 
 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
-RUNNERS = ("thread", "loop")
+RUNNERS = ("thread", "loop", "hosted")
 #: the pool's CPU per turn the issue asks for at 4,096 episodes on 2 engines (median of the runs)
 TARGET_US = 200.0
 
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--turns", type=int, default=3, help="turns per episode")
     ap.add_argument("--tokens", type=int, default=2, help="forced tokens per turn")
-    ap.add_argument("--agent-runners", default=",".join(RUNNERS), help="comma-separated: thread, loop")
+    ap.add_argument("--agent-runners", default=",".join(RUNNERS), help="comma-separated: thread, loop, hosted")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -155,7 +157,9 @@ def main(argv=None) -> int:
         agent_cls = load_agent_class(AGENT)
         from dataclasses import replace
 
-        pools = {r: RolloutPool(replace(base, agent_runner=r), handles, tokenizer=tokenizer, agent_cls=agent_cls)
+        settings = {"thread": dict(agent_runner="thread"), "loop": dict(agent_runner="loop"),
+                    "hosted": dict(agent_runner="loop", episode_host="engine")}
+        pools = {r: RolloutPool(replace(base, **settings[r]), handles, tokenizer=tokenizer, agent_cls=agent_cls)
                  for r in runners}
         for r in runners:  # first-use costs stay out of the runs
             pools[r].run_batch(prompts[:2], labels[:2], n_samples_per_prompt=args.group)

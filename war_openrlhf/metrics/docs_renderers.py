@@ -903,13 +903,18 @@ def step_scale_profile(d: dict) -> str:
                     ["l"] + ["r"] * len(runners), rows)
 
 
+def _runner_name(runner: str) -> str:
+    """A step-scale runner as the rollout setting it stands for."""
+    return "`episode_host: engine`" if runner == "hosted" else f"`agent_runner: {runner}`"
+
+
 @renderer("step_scale_reading")
 def step_scale_reading(d: dict) -> str:
     best = min(d["rows"], key=lambda r: r["driver_cpu_per_turn_us"]["median"])
     lost = sum(r["episodes_lost_or_failed"] for r in d["rows"])
     served = all(r["all_turns_served"] for r in d["rows"])
     return (f"Episodes lost or failed: {lost}{'' if served else ' (some turns were not served)'}. Lowest pool CPU "
-            f"per turn: `agent_runner: {best['agent_runner']}`, {best['driver_cpu_per_turn_us']['median']:.0f} us "
+            f"per turn: {_runner_name(best['agent_runner'])}, {best['driver_cpu_per_turn_us']['median']:.0f} us "
             f"(median of the runs). Target (0 lost and <= {d['target_us_per_turn']:.0f} us per turn): "
             f"{'met' if d['target_met'] else 'missed'}. ({d['regime']}; {load_note(d)})\n")
 
