@@ -735,3 +735,28 @@ def test_forgetting_the_index_records_empties_every_replica_and_keeps_the_versio
     res = p.run_batch(prompts, ["ok"] * len(prompts))
     again = sum(len(t.turns) for t in res.trajectories)
     assert replica_records(p) == [again] * len(p.engines) and len(p.shipper.archive) == again
+
+
+def test_the_heap_is_frozen_only_while_a_batch_runs():
+    """``freeze_heap``: objects from before a batch skip collections while it runs; nested
+    batches (two pools in one process) unfreeze only when the last one ends."""
+    import gc
+
+    from war_openrlhf.rollout.gc_heap import frozen_heap
+
+    gc.unfreeze()
+    with frozen_heap():
+        outer = gc.get_freeze_count()
+        assert outer > 0
+        with frozen_heap():
+            assert gc.get_freeze_count() >= outer
+        assert gc.get_freeze_count() >= outer  # the outer batch still runs
+    assert gc.get_freeze_count() == 0
+    with frozen_heap(enabled=False):
+        assert gc.get_freeze_count() == 0
+    try:
+        with frozen_heap():
+            raise RuntimeError("a batch that fails")
+    except RuntimeError:
+        pass
+    assert gc.get_freeze_count() == 0

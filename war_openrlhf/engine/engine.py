@@ -294,6 +294,12 @@ class WarEngine:
 
             check_openrlhf_version()  # a private of OpenRLHF's: only on the release it is read from
             self.executor = _load_agent_executor(self._agent_func_path)
+        # the actor's startup heap (vLLM's client, the model's config, the tokenizer) is static:
+        # left out of garbage collections from here on, as vLLM leaves its engine core's
+        # (vllm/v1/engine/core.py ~244-246); hosted episodes allocate fast on this process
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()
         return await self.stats()
 
     def _raise_if_killed(self, exc: BaseException) -> None:

@@ -56,6 +56,7 @@ class RolloutConfig:
     stats_interval_s: float = 2.0
     load_interval_s: float = 0.1  # engines' queue, KV and measured step cost for the dispatcher; 0: off
     turn_transport: str = "direct"  # direct: turns on a socket to each engine actor; ray: a Ray call per turn
+    freeze_heap: bool = True  # the heap from before a batch skips garbage collections while it runs (gc_heap.py)
     episode_host: str = "driver"  # engine: whole episodes run beside their engine (rollout/episode_host.py)
     turn_priority: str = "none"  # longest_first: predicted stragglers' turns first (dispatch/turn_priority.py)
     progress: bool = True

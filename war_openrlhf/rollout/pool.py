@@ -50,6 +50,7 @@ from .agents import load_agent_class
 from .config import RolloutConfig
 from .engine_client import ENGINE_METHODS, EngineClient, EngineHandle
 from .episode import make_room_for_agent_threads, run_episode
+from .gc_heap import frozen_heap
 from .log_shipper import LogShipper
 from .supervisor import EngineSupervisor
 from .trajectory import Trajectory
@@ -285,8 +286,8 @@ class RolloutPool:
         return self.shipper.errors + self.router.kv_event_errors + self._stats_errors
 
     # ------------------------------------------------------------------ batches
-    async def run_batch_async(self, prompts: Sequence[str], labels: Sequence[Any] | None = None, *,
-                              n_samples_per_prompt: int | None = None) -> BatchResult:
+    async def _run_batch(self, prompts: Sequence[str], labels: Sequence[Any] | None = None, *,
+                         n_samples_per_prompt: int | None = None) -> BatchResult:
         labels = list(labels) if labels is not None else [None] * len(prompts)
         if len(labels) != len(prompts):
             raise ValueError(f"labels: {len(labels)} labels for {len(prompts)} prompts")
@@ -395,6 +396,14 @@ class RolloutPool:
                   n_samples_per_prompt: int | None = None) -> BatchResult:
         """Synchronous wrapper (one event loop per call)."""
         return asyncio.run(self.run_batch_async(prompts, labels, n_samples_per_prompt=n_samples_per_prompt))
+
+    async def run_batch_async(self, prompts: Sequence[str], labels: Sequence[Any] | None = None, *,
+                              n_samples_per_prompt: int | None = None) -> BatchResult:
+        """Run ``n_samples_per_prompt`` episodes of every prompt (one GRPO group per prompt), all at
+        once; the process's heap from before the batch is left out of garbage collections while it
+        runs (``freeze_heap``, :mod:`.gc_heap`)."""
+        with frozen_heap(self.config.freeze_heap):
+            return await self._run_batch(prompts, labels, n_samples_per_prompt=n_samples_per_prompt)
 
 
 class HostedEpisodes:
