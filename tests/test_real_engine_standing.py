@@ -123,3 +123,15 @@ def test_a_random_init_model_run_is_a_regime_of_its_own():
     rows = _rows(real_engine_standing(trained, random))
     assert len(rows) == 2
     assert any("seed 3, random-init model (nothing to draft)" in r and "| 0.80 |" in r for r in rows)
+
+
+def test_the_no_room_reading_adds_the_hosted_episodes_where_the_run_has_them():
+    from war_openrlhf.metrics.docs_renderers import noroom_target
+
+    steps = {"openrlhf": 10.0, "war": 10.0, "war_sticky": 9.0, "war_dynamo_kv": 10.5}
+    text = noroom_target(_run("2026-01-01T00:00:00", steps))
+    assert "missed, worst against `war_sticky`" in text and "war_hosted" not in text
+    text = noroom_target(_run("2026-01-01T00:00:00", {**steps, "war_hosted": 8.0}))
+    assert "missed, worst against `war_sticky`" in text  # the target is war's, the default
+    assert ("`war_hosted` (`episode_host: engine`) against each: `openrlhf` 1.25x, `war_sticky` 1.12x, "
+            "`war_dynamo_kv` 1.31x; `war` 1.25x (>= 0.98x every one)." in text)

@@ -58,6 +58,9 @@ Configurations (``--configs``):
 * ``war_no_history``: ``war`` whose index drops the earlier steps' records before the timed step
   (``RolloutPool.forget_index_records``; with ``--history-steps``): what drafting from earlier
   steps' rollouts adds, everything else equal.
+* ``war_hosted``: ``war`` with every episode run beside its engine (``episode_host: engine``): the
+  dispatcher admits and places each episode, the engine's actor runs it whole (no pool hop per turn,
+  no per-turn placement).
 * ``war_plain_engines``: ``war`` dispatch on an engine set of its own without a speculative config
   (``speculation: none``, what a pool that never drafts runs): against ``war_sched_only`` (the same
   dispatcher on WAR's drafting engines, drafting off) it measures the engines' tax in a rollout,
@@ -125,6 +128,7 @@ WAR_CONFIGS = {  # name -> (dispatch policy, speculation mode)
     "war_vllm_suffix_engines": ("war", "on"),  # war dispatch on engines drafting by vLLM's suffix method, a set of its own
     "war_all_prompt_price": ("war", "auto"),  # war priced by the step fit over cached-inclusive prompt counts
     "war_no_history": ("war", "auto"),  # war whose index forgets the earlier steps (--history-steps) at the timed one
+    "war_hosted": ("war", "auto"),  # war placing whole episodes, each run beside its engine (episode_host: engine)
 }
 #: configurations on an engine set of their own, beside the WAR engines (``--war-engines``), and the
 #: engines' ``speculation``: without a speculative config (the engine tax of drafting engines with
@@ -141,6 +145,8 @@ ALL_PROMPT_PRICE_CONFIGS = ("war_all_prompt_price",)
 #: configurations whose index drops the earlier steps' records before the timed step: what keeping
 #: earlier steps' rollouts adds to ``war`` (vLLM's suffix cache keeps them on its own engine)
 NO_HISTORY_CONFIGS = ("war_no_history",)
+#: configurations whose episodes run beside their engine (the pool places episodes, not turns)
+HOSTED_CONFIGS = ("war_hosted",)
 CONFIGS = tuple(BASELINES) + tuple(WAR_CONFIGS)
 
 
@@ -406,6 +412,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
         kw["engine"] = engine
     if name in PRIORITY_CONFIGS:
         kw["turn_priority"] = "longest_first"
+    if name in HOSTED_CONFIGS:
+        kw["episode_host"] = "engine"
     if kw.get("turn_priority", "none") != "none" or cfg_kwargs["engine"].get("scheduling_policy") == "priority":
         kw["engine"] = {**dict(kw["engine"]), "scheduling_policy": "priority"}  # what the engines run
     cfg = RolloutConfig(dispatch_policy=policy, n_samples_per_prompt=n, **kw)

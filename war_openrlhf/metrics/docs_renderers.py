@@ -1016,8 +1016,16 @@ def noroom_target(d: dict) -> str:
     listed = ", ".join(f"`{c}` {v:.2f}x" for c, v in ratios.items())
     drafting = _fraction_range(d["configs"]["war"])
     drafting = f" `war`'s engines drafted in {drafting} of their steps." if drafting != "n/a" else ""
+    hosted = ""
+    if "war_hosted" in d["configs"]:  # episodes beside their engine: the same test, not the default
+        h = d["configs"]["war_hosted"]["step_s"]
+        h_ratios = {c: s / h for c, s in peers.items()}
+        h_worst = min(h_ratios, key=h_ratios.get)
+        hosted = (f" `war_hosted` (`episode_host: engine`) against each: "
+                  f"{', '.join(f'`{c}` {v:.2f}x' for c, v in h_ratios.items())}; `war` {war / h:.2f}x "
+                  f"({'>= 0.98x every one' if all(v >= 0.98 for v in h_ratios.values()) else f'worst against `{h_worst}`'}).")
     return (f"`war` against each (median step over median step): {listed}. Target (>= 0.98x every one): "
-            f"{'met' if ok else f'missed, worst against `{worst}`'}.{drafting}\n")
+            f"{'met' if ok else f'missed, worst against `{worst}`'}.{drafting}{hosted}\n")
 
 
 @renderer("rollout_engine_tax")
