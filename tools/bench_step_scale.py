@@ -8,7 +8,8 @@ fed by the log), every turn forced to ``--tokens`` tokens, tools answering at on
 (``examples/trace_replay`` with zero delays), for each ``--agent-runners`` setting in rotating
 order, ``--repeats`` times (``thread`` / ``loop``: the pool's ``agent_runner``, every turn
 dispatched from the pool; ``hosted``: ``episode_host: engine``, each episode placed by the pool
-and run beside its engine, its agent on the engine actor's loop). It checks and records:
+and run beside its engine, its agent on the engine actor's loop; any of them with ``_unfrozen``
+appended: ``freeze_heap: false``, the driver's heap not frozen while the batch runs). It checks and records:
 
 - every episode comes back, ended by its own last turn (``end_reason`` counts; 0 lost);
 - the pool's CPU per turn: the driver process's CPU time (every thread: event loop, agent
@@ -45,6 +46,8 @@ from bench_turn_path import AGENT, GROUPS, WAITS, require_positive, rows_for  # 
 from war_openrlhf.metrics import format_table, spread, write_json  # noqa: E402
 
 RUNNERS = ("thread", "loop", "hosted")
+#: a runner's name with this suffix: the same runner with ``freeze_heap: false`` (the ablation)
+UNFROZEN = "_unfrozen"
 #: the pool's CPU per turn the issue asks for at 4,096 episodes on 2 engines (median of the runs)
 TARGET_US = 200.0
 
@@ -120,7 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--turns", type=int, default=3, help="turns per episode")
     ap.add_argument("--tokens", type=int, default=2, help="forced tokens per turn")
-    ap.add_argument("--agent-runners", default=",".join(RUNNERS), help="comma-separated: thread, loop, hosted")
+    ap.add_argument("--agent-runners", default=",".join(RUNNERS), help="comma-separated: thread, loop, hosted (each also with _unfrozen)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     if args.episodes % args.group:
         raise SystemExit(f"--episodes ({args.episodes}) must be a multiple of --group ({args.group})")
     runners = [r.strip() for r in args.agent_runners.split(",") if r.strip()]
-    bad = [r for r in runners if r not in RUNNERS]
+    bad = [r for r in runners if r.removesuffix(UNFROZEN) not in RUNNERS]
     if bad or not runners:
         raise SystemExit(f"--agent-runners: {bad or 'empty'} not among {', '.join(RUNNERS)}")
 
@@ -159,7 +162,9 @@ def main(argv=None) -> int:
 
         settings = {"thread": dict(agent_runner="thread"), "loop": dict(agent_runner="loop"),
                     "hosted": dict(agent_runner="loop", episode_host="engine")}
-        pools = {r: RolloutPool(replace(base, **settings[r]), handles, tokenizer=tokenizer, agent_cls=agent_cls)
+        pools = {r: RolloutPool(replace(base, **settings[r.removesuffix(UNFROZEN)],
+                                        freeze_heap=not r.endswith(UNFROZEN)),
+                                handles, tokenizer=tokenizer, agent_cls=agent_cls)
                  for r in runners}
         for r in runners:  # first-use costs stay out of the runs
             pools[r].run_batch(prompts[:2], labels[:2], n_samples_per_prompt=args.group)

@@ -904,8 +904,10 @@ def step_scale_profile(d: dict) -> str:
 
 
 def _runner_name(runner: str) -> str:
-    """A step-scale runner as the rollout setting it stands for."""
-    return "`episode_host: engine`" if runner == "hosted" else f"`agent_runner: {runner}`"
+    """A step-scale runner as the rollout settings it stands for."""
+    base = runner.removesuffix("_unfrozen")
+    name = "`episode_host: engine`" if base == "hosted" else f"`agent_runner: {base}`"
+    return name + (", `freeze_heap: false`" if base != runner else "")
 
 
 @renderer("step_scale_reading")
