@@ -613,6 +613,36 @@ def test_a_hung_engine_is_treated_as_dead_then_reinstated(pool):
     assert again.engine_turns[1] > 0 and again.end_reasons == {"done": 12}
 
 
+def test_a_frozen_engine_under_hosted_episodes_is_found_and_they_run_again(pool):
+    """``episode_host: engine``: an engine that stops answering (its process stopped) while it
+    hosts episodes is asked whether it lives every ``min(turn_timeout_s, 30 s)``; silent, it is
+    marked dead, its episodes run again on the other engine, and the batch completes."""
+    import signal
+    import threading
+
+    sib = _sibling(pool, episode_host="engine", turn_timeout_s=3.0, recovery_probe_interval_s=0.5,
+                   engine_recovery="reinstate")
+    sib.run_batch(["warm"], ["ok"], n_samples_per_prompt=2)  # first-use costs stay out of the deadline
+    victim = sib.engines[1]
+    pid = asyncio.run(victim.stats()).pid
+
+    def resume():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    try:
+        res = asyncio.run(_batch_hitting(sib, victim, lambda: os.kill(pid, signal.SIGSTOP), "f"))
+    finally:
+        resume()
+    assert res.end_reasons == {"done": 12}, [(t.end_reason, t.error) for t in res.trajectories]
+    assert not victim.healthy and "no answer over Ray" in victim.error, victim.error
+    again = [t for t in res.trajectories if t.extra_logs.get("episode_retries")]
+    assert again and all(r.engine == 0 for t in again for r in t.turns)
+    _wait_for_recovery(sib, 60)
+
+
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):
     """Kills engine 1 of the shared pool; the pool (``engine_recovery: restart``) starts a new
     actor in its place, which serves the next batch from a re-attached index. Runs before any
