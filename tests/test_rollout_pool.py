@@ -620,6 +620,9 @@ def test_a_frozen_engine_under_hosted_episodes_is_found_and_they_run_again(pool)
     import signal
     import threading
 
+    for t in threading.enumerate():  # an earlier test's timer must not resume the process mid-test
+        if isinstance(t, threading.Timer):
+            t.join()
     sib = _sibling(pool, episode_host="engine", turn_timeout_s=3.0, recovery_probe_interval_s=0.5,
                    engine_recovery="reinstate")
     sib.run_batch(["warm"], ["ok"], n_samples_per_prompt=2)  # first-use costs stay out of the deadline
@@ -641,6 +644,7 @@ def test_a_frozen_engine_under_hosted_episodes_is_found_and_they_run_again(pool)
     again = [t for t in res.trajectories if t.extra_logs.get("episode_retries")]
     assert again and all(r.engine == 0 for t in again for r in t.turns)
     _wait_for_recovery(sib, 60)
+    sib.shutdown()  # its recovery thread ends (the engines are the shared pool's)
 
 
 def test_engine_killed_mid_batch_loses_no_trajectory(pool):

@@ -90,6 +90,12 @@ def actor_died(exc: BaseException) -> bool:
     return isinstance(exc, (RayActorError, ActorDiedError, ActorUnavailableError))
 
 
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a finished task's outcome as read (its exception is then never logged at collection)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class EngineClient:
     """One engine as the pool sees it."""
 
@@ -234,13 +240,24 @@ class EngineClient:
         :class:`EngineDead`)."""
         if not self.healthy:
             raise EngineDead(f"engine {self.index}: {self.error}") from cause
+        if self.remote:
+            # a blocking ray.get with a timeout, on a worker thread: an awaited call abandoned at its
+            # deadline would leave Ray a callback onto this loop, which fires (and fails, logging a
+            # traceback on Ray's thread) whenever the silent engine answers, maybe long after
+            report, gone = await asyncio.to_thread(self.probe_stats, self.CHANNEL_TIMEOUT_S)
+            if report is not None:
+                return
+            if gone:
+                self.mark_dead(RuntimeError(f"{cause}; and the actor is gone"))
+                raise EngineDead(f"engine {self.index}: {self.error}") from cause
+            self.mark_dead(TimeoutError(f"{cause}; and no answer over Ray within {self.CHANNEL_TIMEOUT_S:g} s"))
+            raise EngineDead(f"engine {self.index}: {self.error}") from cause
         try:
-            await asyncio.wait_for(self._call("load" if hasattr(self.handle, "load") else "stats"),
-                                   self.CHANNEL_TIMEOUT_S)
+            await asyncio.wait_for(self._call("stats"), self.CHANNEL_TIMEOUT_S)
         except EngineDead:
             raise
         except asyncio.TimeoutError:
-            self.mark_dead(TimeoutError(f"{cause}; and no answer over Ray within {self.CHANNEL_TIMEOUT_S:g} s"))
+            self.mark_dead(TimeoutError(f"{cause}; and no answer within {self.CHANNEL_TIMEOUT_S:g} s"))
             raise EngineDead(f"engine {self.index}: {self.error}") from cause
 
     async def _turn_channel(self) -> TurnChannelClient | None:
@@ -356,6 +373,9 @@ class EngineClient:
             raise RuntimeError(f"engine {self.index}: the turn channel closed under a hosted episode "
                                "(the engine lives; the episode runs again)") from exc
         finally:
+            # an episode given up (its engine dead) may still end in an error: read it, so that it
+            # is not logged when the task is collected
+            work.add_done_callback(_retrieve)
             if not work.done():
                 work.cancel()
 
@@ -368,6 +388,7 @@ class EngineClient:
         probe = self._probe
         if probe is None or probe.done() or probe.get_loop() is not loop:
             probe = self._probe = loop.create_task(self._check_alive(cause))
+            probe.add_done_callback(_retrieve)  # its callers may all have stopped waiting
         await asyncio.shield(probe)
 
     async def kv_events(self) -> list:
