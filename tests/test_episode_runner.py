@@ -361,3 +361,20 @@ def test_an_agent_thread_holds_the_descriptors_the_limit_check_counts():
     for t in threads:
         t.close()
     assert held <= 8 * episode.FDS_PER_AGENT_THREAD
+
+
+def test_reset_sees_the_sample_number_only_where_the_pool_gives_it():
+    """``war_sample_index``: the episode's number in its GRPO group, in ``reset``'s states (absent
+    when the caller gives none), so an agent can assign work per sample in any process."""
+    seen = []
+
+    class Agent(_agent()):
+        async def reset(self, states, **kwargs):
+            seen.append(dict(states))
+            return {"observation": states["observation"]}
+
+    asyncio.run(run_episode(FakeService(), Agent, CharTokenizer(), _cfg(), prompt="Q: 2+3? ", label="5",
+                            trajectory_id="t1", group_id="g0", sample_index=3))
+    asyncio.run(_episode(FakeService(), Agent, _cfg()))
+    assert seen == [{"observation": "Q: 2+3? ", "label": "5", "war_sample_index": 3},
+                    {"observation": "Q: 2+3? ", "label": "5"}]

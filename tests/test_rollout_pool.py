@@ -400,6 +400,10 @@ def test_a_hosted_episode_that_fails_fails_alone(pool, tmp_path):
         RolloutPool(_config(Path(pool.config.engine.model), Path(pool.config.agent_func_path), episode_host="engine",
                             agent_func_path=""), [e.handle for e in pool.engines], tokenizer=pool.tokenizer,
                     agent_cls=pool.agent_cls)
+    import ray
+
+    with pytest.raises(Exception, match="host 'os:system' is not 'war_openrlhf.<module>:<Class>'"):
+        ray.get(pool.engines[0].handle.host_episode.remote("os:system", "k", {}, "p", None, "t", "g"))
     with pytest.raises(ValueError, match="episode_host: 'actor'"):
         RolloutConfig(episode_host="actor")
     with pytest.raises(ValueError, match="turn_priority"):

@@ -33,11 +33,15 @@ def _parse(label) -> dict:
     return data
 
 
-def _pick_trial(data: dict) -> dict:
-    """The trial this sample replays: ``data['trial_index']`` if set, else the task's next one."""
+def _pick_trial(data: dict, sample_index: int | None = None) -> dict:
+    """The trial this sample replays: ``data['trial_index']`` if set; else the sample's number in
+    its group where the rollout path gives it (the WAR pool's ``war_sample_index``: the same trial
+    in whichever process the agent runs); else the task's next one (a counter of this process)."""
     trials = data["trials"]
     if "trial_index" in data:
         return trials[int(data["trial_index"]) % len(trials)]
+    if sample_index is not None:
+        return trials[int(sample_index) % len(trials)]
     with _LOCK:
         k = _NEXT_TRIAL.get(data["task"], 0)
         _NEXT_TRIAL[data["task"]] = k + 1
@@ -54,7 +58,7 @@ class AgentInstance(AgentInstanceBase):
         self.turn = 0
 
     async def reset(self, states: dict, **kwargs):
-        self.trial = _pick_trial(_parse(states["label"]))
+        self.trial = _pick_trial(_parse(states["label"]), states.get("war_sample_index"))
         self.turn = 0
         return {"observation": states["observation"], "war_turn_limits": _limits(self.trial["lengths"][0])}
 

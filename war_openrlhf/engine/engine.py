@@ -241,7 +241,7 @@ class WarEngine:
         # running turns that name a trajectory and a group: request id -> [trajectory, group, tokens
         # handed out]; their new tokens are in-flight chunks (inflight_chunks)
         self._inflight: dict[str, list] = {}
-        self._episode_host = None  # EpisodeHost, made at the first hosted episode (episode_host: engine)
+        self._episode_hosts: dict[str, Any] = {}  # episode runners by name, made at first use (episode_host: engine)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> dict[str, Any]:
@@ -459,16 +459,22 @@ class WarEngine:
                                        images=images) for _ in range(num_samples)]
         return await asyncio.gather(*tasks)
 
-    async def host_episode(self, key: str, config: Mapping[str, Any], prompt: str, label: Any, trajectory_id: str,
-                           group_id: str) -> dict[str, Any]:
-        """Run one whole episode beside this engine (``RolloutConfig.episode_host: engine``,
-        :mod:`war_openrlhf.rollout.episode_host`): its agent and tokenizer in this actor, every
-        turn on this engine. Returns the trajectory as a msgpack-native dict."""
-        if self._episode_host is None:
-            from ..rollout.episode_host import EpisodeHost
+    async def host_episode(self, host: str, key: str, config: Mapping[str, Any], prompt: str, label: Any,
+                           trajectory_id: str, group_id: str, sample_index: int | None = None) -> dict[str, Any]:
+        """Run one whole episode beside this engine (``RolloutConfig.episode_host: engine``): its
+        agent and tokenizer in this actor, every turn on this engine; returns the trajectory as a
+        msgpack-native dict. ``host`` names the class that runs episodes (``"module:Class"``, a
+        module of this package; the pool names its own, as OpenRLHF names its agent file), made
+        once with this engine: the engine layer stays below the rollout layer that owns episodes."""
+        runner = self._episode_hosts.get(host)
+        if runner is None:
+            module, _, name = str(host).partition(":")
+            if not module.startswith("war_openrlhf.") or not name:
+                raise ValueError(f"host_episode: host {host!r} is not 'war_openrlhf.<module>:<Class>'")
+            import importlib
 
-            self._episode_host = EpisodeHost(self)
-        return await self._episode_host.run(key, dict(config), prompt, label, trajectory_id, group_id)
+            runner = self._episode_hosts[host] = getattr(importlib.import_module(module), name)(self)
+        return await runner.run(key, dict(config), prompt, label, trajectory_id, group_id, sample_index)
 
     async def kv_events(self) -> list:
         """What the prefix cache stored and evicted since the last call, in order, as the
@@ -587,7 +593,7 @@ class WarEngine:
             "pid": os.getpid(),  # the engine's process (operators: a hung engine's stack, its memory)
             "requests_served": self._requests_served,
             "request_seconds": self._request_seconds,
-            "hosted_episodes": self._episode_host.episodes if self._episode_host is not None else 0,
+            "hosted_episodes": sum(h.episodes for h in self._episode_hosts.values()),
         }
         if self._kv_events is not None:
             out["kv_events"] = self._kv_events.stats()

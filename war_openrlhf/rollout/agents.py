@@ -54,6 +54,10 @@ from typing import Any, Mapping
 REQUIRED_STEP_KEYS = ("rewards", "environment_feedback", "done")
 #: The WAR-only key of ``reset`` / ``step`` results that bounds the next turn.
 WAR_TURN_LIMITS = "war_turn_limits"
+#: The WAR-only key of the ``reset`` states: the episode's sample number within its GRPO group
+#: (0..n-1), so that an agent that replays or assigns work per sample can do it the same way in
+#: any process (OpenRLHF's executor passes only ``observation`` and ``label``; agents ignore it).
+WAR_SAMPLE_INDEX = "war_sample_index"
 #: Keys of ``war_turn_limits``.
 TURN_LIMIT_KEYS = ("max_tokens", "min_tokens", "ignore_eos")
 #: ``SamplingParams`` fields vLLM sets itself (``__post_init__``, ``update_from_tokenizer``), never

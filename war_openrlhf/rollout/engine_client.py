@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ENGINE_METHODS", "EngineHandle", "EngineClient", "EngineDead", "actor_died", "kill_actor"]
 
+#: The class an engine runs hosted episodes with (``WarEngine.host_episode``).
+EPISODE_HOST = "war_openrlhf.rollout.episode_host:EpisodeHost"
+
 #: KV capacity assumed until an engine reports its own.
 UNKNOWN_KV_TOKENS = 1 << 40
 
@@ -339,13 +342,13 @@ class EngineClient:
                 self.step_cost_at = self.load_at
 
     async def host_episode(self, key: str, config: dict[str, Any], prompt: str, label: Any, trajectory_id: str,
-                           group_id: str, *, check_every_s: float) -> dict[str, Any]:
+                           group_id: str, sample_index: int, *, check_every_s: float) -> dict[str, Any]:
         """One whole episode beside this engine (``WarEngine.host_episode``); its trajectory as a
         dict. On this loop's turn channel when its arguments are msgpack-native, else over Ray.
         While it runs, the engine is asked every ``check_every_s`` whether it lives (one question
         per engine at a time, however many episodes it hosts): a dead or silent engine is marked
         dead and :class:`EngineDead` raised, so a frozen actor never holds the batch."""
-        args = (key, config, prompt, label, trajectory_id, group_id)
+        args = (EPISODE_HOST, key, config, prompt, label, trajectory_id, group_id, int(sample_index))
         loop = asyncio.get_running_loop()
         channel = self._channel
         work = None

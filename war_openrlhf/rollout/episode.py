@@ -31,7 +31,7 @@ import traceback
 from typing import Any, Protocol, Sequence
 
 from .action_text import action_text as vllm_text
-from .agents import (WAR_TURN_LIMITS, AgentContractError, check_step_result, engine_sampling_kwargs,
+from .agents import (WAR_SAMPLE_INDEX, WAR_TURN_LIMITS, AgentContractError, check_step_result, engine_sampling_kwargs,
                      initial_sampling_params, turn_limits)
 from .config import RolloutConfig
 from .deadline import within
@@ -200,14 +200,16 @@ def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
 
 async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, *,
                       prompt: str, label: Any, trajectory_id: str, group_id: str,
-                      t0: float | None = None, limiter: asyncio.Semaphore | None = None) -> Trajectory:
-    """Run one episode to its end; never raises (failures become ``end_reason``/``error``)."""
+                      t0: float | None = None, limiter: asyncio.Semaphore | None = None,
+                      sample_index: int | None = None) -> Trajectory:
+    """Run one episode to its end; never raises (failures become ``end_reason``/``error``).
+    ``sample_index``: the episode's number in its GRPO group, shown to the agent's ``reset``."""
     t0 = time.perf_counter() if t0 is None else t0
     start = time.perf_counter()
     traj = Trajectory(trajectory_id=trajectory_id, group_id=group_id, prompt=prompt, label=label)
     agent = AgentThread(trajectory_id) if cfg.agent_runner == "thread" else AgentOnLoop(trajectory_id)
     try:
-        await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent, limiter)
+        await _run(service, agent_cls, tokenizer, cfg, traj, t0, agent, limiter, sample_index)
     except AgentContractError as exc:  # the agent file's bug: named, never trained on
         traj.end_reason = "agent_error"
         traj.error = f"{exc}"
@@ -225,11 +227,14 @@ async def run_episode(service: TurnService, agent_cls: type, tokenizer, cfg: Rol
 
 
 async def _run(service: TurnService, agent_cls: type, tokenizer, cfg: RolloutConfig, traj: Trajectory,
-               t0: float, agent: AgentThread | AgentOnLoop, limiter: asyncio.Semaphore | None = None) -> None:
+               t0: float, agent: AgentThread | AgentOnLoop, limiter: asyncio.Semaphore | None = None,
+               sample_index: int | None = None) -> None:
     where = f"{cfg.agent_func_path or agent_cls.__name__}: "
     instance = agent_cls()
-    reset = await agent.call(instance.reset({"observation": traj.prompt, "label": traj.label}), cfg.tool_timeout_s,
-                             limiter)
+    states = {"observation": traj.prompt, "label": traj.label}
+    if sample_index is not None:
+        states[WAR_SAMPLE_INDEX] = int(sample_index)
+    reset = await agent.call(instance.reset(states), cfg.tool_timeout_s, limiter)
     if not isinstance(reset, dict) or not isinstance(reset.get("observation"), str):
         raise AgentContractError(f"{where}reset() must return a dict with a str 'observation'")
     limits = turn_limits(reset.get(WAR_TURN_LIMITS), f"{where}reset()")  # WAR's own bound of the first turn

@@ -148,7 +148,7 @@ class EpisodeHost:
         return got[1]
 
     async def run(self, key: str, config: dict[str, Any], prompt: str, label: Any, trajectory_id: str,
-                  group_id: str) -> dict[str, Any]:
+                  group_id: str, sample_index: int | None = None) -> dict[str, Any]:
         """One episode to its end, here; returns :func:`trajectory_to_wire`'s dict. ``key`` names
         the pool's settings (``config``, a :meth:`RolloutConfig.as_dict`), parsed once."""
         cfg = self._config(key, config)
@@ -158,7 +158,8 @@ class EpisodeHost:
         try:
             traj = await run_episode(_LocalTurns(self, cfg), agent_cls, tokenizer, cfg, prompt=prompt, label=label,
                                      trajectory_id=trajectory_id, group_id=group_id,
-                                     limiter=self._limiter(key, cfg.max_agent_calls_in_flight))
+                                     limiter=self._limiter(key, cfg.max_agent_calls_in_flight),
+                                     sample_index=sample_index)
         finally:
             self.running -= 1
             self.episodes += 1

@@ -329,11 +329,11 @@ class RolloutPool:
             for attempt in range(self.config.engine_retries + 1):
                 run_id = tid if not attempt else f"{tid}-r{attempt}"
                 if hosted is not None:
-                    traj = await hosted.run(prompts[p], labels[p], run_id, f"b{b}-p{p}")
+                    traj = await hosted.run(prompts[p], labels[p], run_id, f"b{b}-p{p}", s)
                 else:
                     traj = await run_episode(self, self.agent_cls, self.tokenizer, self.config, prompt=prompts[p],
                                              label=labels[p], trajectory_id=run_id, group_id=f"b{b}-p{p}", t0=t0,
-                                             limiter=limiter)
+                                             limiter=limiter, sample_index=s)
                 self.router.trajectory_finished(traj.trajectory_id, traj.group_id, len(traj.turns))
                 # an engine or environment failure is retried from the start (on whichever engine the
                 # dispatcher picks); an agent file's contract error would fail again: not retried
@@ -429,7 +429,7 @@ class HostedEpisodes:
                 self.pool.tokenizer(text=prompt, add_special_tokens=False)["input_ids"], dtype=np.int32)
         return ids
 
-    async def run(self, prompt: str, label: Any, trajectory_id: str, group_id: str) -> Trajectory:
+    async def run(self, prompt: str, label: Any, trajectory_id: str, group_id: str, sample_index: int) -> Trajectory:
         """The episode, never raising: a placement or engine failure is an ``engine_error``."""
         from ..dispatch.base import TurnRequest
         from .episode_host import trajectory_from_wire
@@ -445,7 +445,7 @@ class HostedEpisodes:
             sent = time.perf_counter()
             try:
                 wire = await eng.host_episode(self.key, self.config, prompt, label, trajectory_id, group_id,
-                                              check_every_s=min(pool.config.turn_timeout_s, 30.0))
+                                              sample_index, check_every_s=min(pool.config.turn_timeout_s, 30.0))
             finally:
                 eng.in_flight -= 1
             traj = trajectory_from_wire(wire, prompt, label, engine=eid, time_offset_s=sent - self.t0)
