@@ -64,8 +64,8 @@ def trajectory_from_wire(wire: dict[str, Any], prompt: str, label: Any, *, engin
             if rec.engine != engine:
                 raise ValueError(f"turn {rec.index} names engine {rec.engine}, hosted on engine {engine}")
             turns.append(rec)
-        fields = {k: v for k, v in wire.items() if k != "turns"}
-        traj = Trajectory(prompt=prompt, label=label, turns=turns, **fields)
+        values = {k: v for k, v in wire.items() if k != "turns"}
+        traj = Trajectory(prompt=prompt, label=label, turns=turns, **values)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"hosted episode from engine {engine}: malformed trajectory ({type(exc).__name__}: {exc})") \
             from None
