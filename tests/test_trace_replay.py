@@ -294,3 +294,26 @@ def test_replay_rows_count_episodes_without_a_turn_and_refuse_an_empty_group():
                                       "trajectory_id": "a/0"}
     with pytest.raises(ValueError, match="group 'b'"):
         replay_rows([NS(trajectory_id="b/0", group_id="b", prompt="q", token_ids=[1], turns=[])], str)
+
+
+def test_a_sample_replays_the_trial_of_its_number_in_any_process():
+    """With the pool's ``war_sample_index`` a sample replays the trial of its number, so a GRPO
+    group split across engine processes (hosted episodes) still replays each trial once; a
+    label's own ``trial_index`` wins; without either, this process's counter decides."""
+    import asyncio
+
+    from war_openrlhf.rollout.agents import load_agent_class
+
+    agent_cls = load_agent_class(AGENT)
+    trials = [{"lengths": [i + 1], "delays": [0.0], "observations": [""]} for i in range(4)]
+    label = json.dumps({"task": 991, "trials": trials})
+
+    def first_length(states):
+        inst = agent_cls()
+        return asyncio.run(inst.reset(states))["war_turn_limits"]["max_tokens"]
+
+    assert [first_length({"observation": "p", "label": label, "war_sample_index": s}) for s in (3, 0, 5, 1)] \
+        == [4, 1, 2, 2]
+    pinned = json.dumps({"task": 991, "trials": trials, "trial_index": 2})
+    assert first_length({"observation": "p", "label": pinned, "war_sample_index": 0}) == 3
+    assert [first_length({"observation": "p", "label": label}) for _ in range(5)] == [1, 2, 3, 4, 1]
