@@ -44,7 +44,7 @@ def _refused(argv, capsys) -> str:
     (["--actor.model_name_or_path", "/nope/model"], "--actor.model_name_or_path: '/nope/model' is not a directory"),
     (["--war.dispatch_kwargs.bogus", "1"],
      r"--war options: RolloutConfig\.dispatch_kwargs: unknown option 'bogus' of dispatch policy 'war' \(its options: "
-     r"kv_capacity_tokens, admission, thrash_bound, thrash_window, admission_order, defer_margin\)"),
+     r"kv_capacity_tokens, admission, thrash_bound, thrash_window, admission_order, defer_margin, cold_turns\)"),
     (["--war.dispatch_kwargs.admission", "maybe"],
      r"--war options: RolloutConfig\.dispatch_kwargs: option 'admission' of dispatch policy 'war' must be bool"),
     (["--war.dispatch_kwargs.kv_capacity_tokens", "[1024, 1024, 1024]"],

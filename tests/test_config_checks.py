@@ -87,7 +87,7 @@ def test_rollout_settings_are_frozen():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(dispatch_kwargs={"bogus": 1}),
      r"/r\.yaml: RolloutConfig\.dispatch_kwargs: unknown option 'bogus' of dispatch policy 'war' "
-     r"\(its options: kv_capacity_tokens, admission, thrash_bound, thrash_window, admission_order, defer_margin\)$"),
+     r"\(its options: kv_capacity_tokens, admission, thrash_bound, thrash_window, admission_order, defer_margin, cold_turns\)$"),
     (dict(dispatch_kwargs={"admission": "yes"}),
      r"/r\.yaml: RolloutConfig\.dispatch_kwargs: option 'admission' of dispatch policy 'war' must be bool, got 'yes'$"),
     (dict(dispatch_kwargs={"kv_capacity_tokens": [1024, "lots"]}),

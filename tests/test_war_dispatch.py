@@ -66,7 +66,7 @@ def test_scores_are_the_documented_cost_formula(run, data):
     sts = states(run, waiting, pending, rates=RATES)
     got = pol.choose(req("new", q), sts)
     ref = reference_scores(len(q), {holder: 1600}, sts, pol.costs.mean_response,
-                           pol.costs.mean_latency, 1.0, 1.0, RATES)
+                           pol.costs.mean_latency, 1.0, pol.cold_turns, RATES)
     assert pol.last_scores.keys() == ref.keys()
     for k in ref:
         assert pol.last_scores[k] == pytest.approx(ref[k], rel=1e-12)
@@ -112,7 +112,7 @@ def test_a_returning_turn_goes_where_every_engine_priced_says(data):
         if held:
             cached[e.engine_id] = min(held, len(q) - 1) // 16 * 16
     ref = reference_scores(len(q), cached, live, pol.costs.mean_response, pol.costs.mean_latency,
-                           1.0, 1.0, RATES)
+                           1.0, pol.cold_turns, RATES)
     assert list(pol.last_scores) == [e.engine_id for e in live]
     for e in ref:
         assert pol.last_scores[e] == pytest.approx(ref[e], rel=1e-12)
@@ -153,14 +153,14 @@ def test_a_returning_turn_matches_exactly_with_its_new_tokens_unhashed(sibling_h
     else:
         assert cached[1] < len(toks(base, resp))
     ref = reference_scores(n, cached, sts, pol.costs.mean_response, pol.costs.mean_latency,
-                           1.0, 1.0, RATES)
+                           1.0, pol.cold_turns, RATES)
     assert pol.last_scores.keys() == ref.keys()
     for e in ref:
         assert pol.last_scores[e] == pytest.approx(ref[e], rel=1e-12), e
 
 
 def test_group_sibling_follows_the_cached_prompt_until_load_outweighs_it():
-    pol = make_policy("war", 3, admission=False)
+    pol = make_policy("war", 3, admission=False, cold_turns=1.0)
     prompt = np.arange(3000, dtype=np.int32)
     assert pol.choose(req("s0", prompt), states([0, 0, 0], rates=RATES)) == 0
     # engine 0 holds the prompt: a sibling goes there though it runs 2 more requests
@@ -257,6 +257,55 @@ def test_remaining_turns_is_the_conditional_mean_of_finished_turn_counts(turns, 
     want = (sum(t - k for t in longer) / len(longer)) if longer else 1.0
     assert pol.remaining_turns(k) == pytest.approx(want)
     assert pol._survival()[0] == 1.0
+
+
+@pytest.mark.parametrize("cold", [1.0, 2.5, 4.0, 30.0])
+def test_remaining_turns_before_any_finished_is_the_cold_prior_then_measured(cold):
+    """Before the pool's first trajectory finishes, every k expects ``cold_turns`` more turns
+    (a memoryless prior); the first finished trajectory replaces it with its measured curve."""
+    pol = make_policy("war", 1, cold_turns=cold)
+    assert [pol.remaining_turns(k) for k in (0, 1, 5, 50)] == [cold] * 4
+    _finish(pol, "f0", 3)
+    assert pol.remaining_turns(0) == pytest.approx(3.0) and pol.remaining_turns(2) == pytest.approx(1.0)
+    pol.start_batch()  # the measurements outlive the batch: not cold again
+    assert pol.remaining_turns(0) == pytest.approx(3.0)
+    for bad in (0.5, 0, float("inf"), float("nan"), "4", True):
+        with pytest.raises(ValueError, match="cold_turns"):
+            make_policy("war", 1, cold_turns=bad)
+
+
+def _first_turns(pol, engines: int, groups: int, n: int = 4, prompt_tokens: int = 4096):
+    """Place ``groups`` GRPO groups of ``n`` first turns on fresh engines, as a pool does at a
+    step's start (each choice adds a running request to its engine); every prompt shares a
+    long system prompt and ends in a short group-specific part, as an agent task's does.
+    Returns each group's engines."""
+    system = np.arange(prompt_tokens - 40, dtype=np.int32) + 30_000_007
+    running = [0] * engines
+    placed = []
+    for g in range(groups):
+        ctx = np.concatenate([system, np.arange(40, dtype=np.int32) + 31_000_007 + 100 * g])
+        chosen = []
+        for i in range(n):
+            e = pol.choose(req(f"g{g}s{i}", ctx, group=f"g{g}"), states(running, rates=RATES))
+            running[e] += 1
+            chosen.append(e)
+        placed.append(chosen)
+    return placed
+
+
+@pytest.mark.parametrize("engines,groups", [(2, 4), (2, 8), (4, 8)])
+def test_a_cold_pools_group_samples_start_on_different_engines(engines, groups):
+    """At a pool's first step (nothing measured) a GRPO group's samples must not all start on
+    the engine that caches their shared prompt: siblings run to similar lengths, so whole groups
+    per engine make the engines' loads differ by groups. With R = 1 (the earlier cold value)
+    they do pile up; with the default prior every group spans more than one engine, and the
+    engines' counts stay level."""
+    piled = _first_turns(make_policy("war", engines, admission=False, cold_turns=1.0), engines, groups)
+    assert sum(len(set(g)) == 1 for g in piled) >= 2  # the first groups, at least, on one engine each
+    placed = _first_turns(make_policy("war", engines, admission=False), engines, groups)
+    assert all(len(set(g)) > 1 for g in placed), placed
+    counts = np.bincount([e for g in placed for e in g], minlength=engines)
+    assert counts.max() - counts.min() <= 1, counts
 
 
 @settings(max_examples=30, deadline=None)
@@ -459,13 +508,14 @@ def engine(i, running=0, waiting=0, pending=0, cap=1 << 20, kv_used=0, rates=RAT
 def documented_cost(pol, n, sts, *, cached=None, k=0, p=None, s1=None):
     """war.py's documented cost of a turn of ``n`` context tokens, per engine, with every
     quantity derived here from its definition: the progress weight from the finished turn
-    counts, R as the conditional mean of the turns left, the wait as the larger of the
+    counts, R as the conditional mean of the turns left (``cold_turns`` before any finished), the wait as the larger of the
     Little's-law queue wait and the KV-shortfall wait, s1 floored at p."""
     cached = cached or {}
     done = pol._finished_turns
     w = 1.0 + (min(k / (sum(done) / len(done)), 1.0) if done else 0.0)
     longer = [t - k for t in done if t > k]
-    R = sum(longer) / len(longer) if longer else 1.0
+    # before any trajectory finished: the memoryless cold prior; past the longest finished: 1
+    R = sum(longer) / len(longer) if longer else (1.0 if done else pol.cold_turns)
     p = sts[0].prefill_token_s if p is None else p
     s1 = sts[0].step_per_seq_s if s1 is None else s1
     s1 = max(s1, p)
@@ -576,7 +626,7 @@ def test_cost_wait_is_the_larger_of_the_queue_wait_and_the_kv_shortfall_wait():
     ``running + 1`` in flight finished (``waiting x lat / (running + 1)``); needing ``u + r``
     KV tokens where the running requests leave less, it starts when they freed the shortfall
     (``lat x shortfall / kv_used``); the larger of the two. No KV use reported: no KV wait."""
-    pol = make_policy("war", 5, admission=False)
+    pol = make_policy("war", 5, admission=False, cold_turns=1.0)
     pol.costs.observe(0, 100, 1, 2.0)  # r = 100 tokens, mean latency 2 s
     lat, r, n = 2.0, 100, 1000
     sts = [engine(0, running=4, cap=4096, kv_used=3500),            # KV wait only
@@ -649,7 +699,7 @@ def test_cost_has_no_move_margin():
     """A trajectory leaves its engine as soon as another engine's cost is lower: sweeping the
     measured turn latency (its engine's queue wait grows with it), it stays exactly while its
     engine scores lowest, however small the difference."""
-    base = make_policy("war", 2, admission=False)
+    base = make_policy("war", 2, admission=False, cold_turns=1.0)
     nxt = _live_trajectory(base, "t", 1, engine_id=0, size=3000)
     sts = [engine(0, running=2, waiting=3), engine(1)]
     outcomes = set()
@@ -679,7 +729,7 @@ def test_cost_ties_go_to_fewer_requests_then_the_lower_id():
     tie; engines 1 and 2 have fewer requests, and of those the lower id wins."""
     p = 2.0 ** -10
     rates = (2.0 ** -5, p, p)  # s1 = p: the decode of a sequence costs one prefilled token
-    pol = make_policy("war", 3, admission=False)
+    pol = make_policy("war", 3, admission=False, cold_turns=1.0)
     ctx = np.arange(1000, dtype=np.int32) + 15_000_007
     pol.on_turn_finished(req("old", ctx[:256]), 0, np.arange(10) + 16_000_007)
     sts = [engine(0, pending=1, rates=rates), engine(1, rates=rates), engine(2, rates=rates)]
@@ -692,10 +742,10 @@ def test_cost_ties_go_to_fewer_requests_then_the_lower_id():
 
 def test_cost_eviction_term_is_prefill_of_the_overflow_per_turn_left_per_running_request():
     """Admission: ``p x overflow_e x R x (running_e + 1)`` is added where the trajectory
-    pushes e's projected live footprint past its budget. No history (R = 1, the footprint
+    pushes e's projected live footprint past its budget. No history (R = cold_turns = 1, the footprint
     is the live tokens now plus one turn's growth): engine 0 holds 1500 live tokens of a
     2000-token KV, so 800 new tokens overflow it by 300; engine 1 (1000) fits them."""
-    pol = make_policy("war", 2, kv_capacity_tokens=2000)
+    pol = make_policy("war", 2, kv_capacity_tokens=2000, cold_turns=1.0)
     pol.on_turn_finished(req("a", np.arange(1450) + 20_000_007), 0, np.arange(50))
     pol.on_turn_finished(req("b", np.arange(950) + 21_000_007), 1, np.arange(50))
     assert pol.growth_per_turn() == 0 and pol.budget(0) == 2000

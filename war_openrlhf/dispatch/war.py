@@ -21,8 +21,12 @@ of this trajectory, all measured)::
             + p * overflow_e * R * (running_e + 1)             # evictions it forces (admission)
 
 * ``R``: sum over j >= k of P(T > j) / P(T > k) for a trajectory with k turns done, from the
-  turn counts of finished trajectories (1 before any): the engine a turn picks is where the
-  trajectory's next turns decode too, so batch costs count that many times, a prefill once.
+  turn counts of finished trajectories: the engine a turn picks is where the trajectory's next
+  turns decode too, so batch costs count that many times, a prefill once. Before any
+  trajectory of the pool finished (its first step) ``R`` is ``cold_turns`` at every k (a
+  memoryless prior). It was 1: a cached shared prompt then outweighed the batch a turn joins,
+  so a GRPO group's samples all started on the engine that held their prompt. Siblings run to
+  similar lengths, so the engines' loads differed by whole groups.
 
 * ``cached_e``: the longest prefix the model says e holds, capped at ``len - 1`` (the engine
   computes the last token) and rounded down to e's blocks.
@@ -184,6 +188,10 @@ class WarOptions(PolicyOptions):
     defer_margin: float = field(default=0.05, metadata={
         "help": "share of the step the fluid model must say deferral saves before new "
                 "trajectories are held back (0: any saving; tuned on the tuning suite)"})
+    cold_turns: float = field(default=4.0, metadata={
+        "help": "expected turns left of a trajectory before any trajectory of the pool finished "
+                "(its first step; measured turn counts replace it): >= 1; at 4 a GRPO group's "
+                "samples start on different engines (tuned on the tuning half's prompts)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.admission, bool):
@@ -196,6 +204,9 @@ class WarOptions(PolicyOptions):
         if isinstance(self.defer_margin, bool) or not isinstance(self.defer_margin, (int, float)) \
                 or not 0.0 <= self.defer_margin < 1.0:
             raise ValueError(f"defer_margin must be a number in [0, 1), got {self.defer_margin!r}")
+        if isinstance(self.cold_turns, bool) or not isinstance(self.cold_turns, (int, float)) \
+                or not 1.0 <= self.cold_turns < math.inf:
+            raise ValueError(f"cold_turns must be a finite number >= 1, got {self.cold_turns!r}")
         if self.admission_order not in ADMISSION_ORDERS:
             raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}, "
                              f"got {self.admission_order!r}")
@@ -221,13 +232,15 @@ class WarDispatchPolicy(DispatchPolicy):
                  kv_capacity_tokens: Union[None, int, Sequence[int]] = None,
                  admission: bool = True, thrash_bound: Optional[float] = None,
                  thrash_window: int = 16, admission_order: str = "fifo",
-                 defer_margin: float = 0.05) -> None:
+                 defer_margin: float = 0.05, cold_turns: float = 4.0) -> None:
         super().__init__(num_engines)
         options = WarOptions(kv_capacity_tokens=kv_capacity_tokens, admission=admission,
                              thrash_bound=thrash_bound, thrash_window=thrash_window,
-                             admission_order=admission_order, defer_margin=defer_margin)
+                             admission_order=admission_order, defer_margin=defer_margin,
+                             cold_turns=cold_turns)
         options.check_engines(num_engines)
         self.admission = admission
+        self.cold_turns = float(cold_turns)
         self.defer_margin = float(defer_margin)
         self.thrash_bound = thrash_bound
         self.thrash_window = thrash_window
@@ -307,11 +320,11 @@ class WarDispatchPolicy(DispatchPolicy):
 
     def remaining_turns(self, k: int) -> float:
         """Expected turns left, this one included, of a trajectory with ``k`` turns done:
-        sum over j >= k of P(T > j) / P(T > k) (1 before any trajectory finished)."""
+        sum over j >= k of P(T > j) / P(T > k) (``cold_turns`` before any trajectory finished)."""
         if self._remaining is None:
             surv = self._survival()
             if surv is None:
-                return 1.0
+                return self.cold_turns
             tail = np.cumsum(surv[::-1])[::-1]
             self._remaining = np.where(surv > 0, tail / np.where(surv > 0, surv, 1.0), 1.0)
         rem = self._remaining
