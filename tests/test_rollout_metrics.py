@@ -123,3 +123,36 @@ def test_tail_figures_are_the_share_after_ninety_percent_finished_and_p99():
     assert tail_figures([], []) == {"tail10_share": 0.0, "trajectory_p99_s": 0.0, "trajectory_p50_s": 0.0}
     m = rollout_metrics(_result(), _pool(), [EngineStats(engine=0)], [EngineStats(engine=0)])
     assert m["war/tail10_share"] == 0.0 and m["war/trajectory_p99_s"] == pytest.approx(0.9)
+
+
+def test_group_engines_counts_each_groups_distinct_first_turn_engines():
+    """Property check against a direct count: the mean over groups of the distinct engines their
+    first turns went to (later turns and turnless trajectories ignored), and its ceiling."""
+    import random
+
+    from war_openrlhf.metrics.placement import group_engines
+
+    NS = SimpleNamespace
+
+    rng = random.Random(7)
+    for _ in range(50):
+        E = rng.randint(1, 5)
+        trajs, want = [], {}
+        for g in range(rng.randint(1, 6)):
+            for _ in range(rng.randint(1, 6)):
+                if rng.random() < 0.1:
+                    trajs.append(NS(group_id=f"g{g}", turns=[]))
+                    continue
+                e0 = rng.randrange(E)
+                later = [NS(engine=rng.randrange(E)) for _ in range(rng.randint(0, 3))]
+                trajs.append(NS(group_id=f"g{g}", turns=[NS(engine=e0), *later]))
+                want.setdefault(f"g{g}", []).append(e0)
+        got = group_engines(trajs, E)
+        if not want:
+            assert got == {"group_engines": 0.0, "group_engines_max": 0.0}
+            continue
+        assert got["group_engines"] == pytest.approx(sum(len(set(v)) for v in want.values()) / len(want))
+        assert got["group_engines_max"] == pytest.approx(sum(min(len(v), E) for v in want.values()) / len(want))
+        assert 1.0 <= got["group_engines"] <= got["group_engines_max"] <= E
+    with pytest.raises(ValueError, match="num_engines"):
+        group_engines([], 0)

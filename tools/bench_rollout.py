@@ -108,6 +108,7 @@ sys.path.insert(0, str(ROOT))
 from war_openrlhf.metrics import write_json  # noqa: E402
 from war_openrlhf.metrics.paused_engines import actor_process_trees, idle_while, paused  # noqa: E402
 from war_openrlhf.metrics.process_cpu import cpu_delta, cpu_seconds_by_kind  # noqa: E402
+from war_openrlhf.metrics.placement import group_engines  # noqa: E402
 from war_openrlhf.metrics.tail import tail_figures  # noqa: E402
 
 TASKS = ("arithmetic_calculator", "sql_qa", "doc_lookup")
@@ -465,6 +466,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
                      "drafted_per_request_step", "step_curve")} for s in res.engine_stats],
         "kv_usage_peak": [round(e.peak_kv_usage, 3) for e in pool.engines],
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
+        # how many engines each GRPO group's samples started on (siblings run to similar lengths)
+        **group_engines(res.trajectories, len(handles)),
         "mean_reward": res.summary()["mean_reward"],
         "cache_estimate": cache_estimate_errors([r for t in res.trajectories for r in t.turns]),
         # history: the share of this step's turns on an engine that served the same prompt before
