@@ -135,3 +135,19 @@ def test_the_no_room_reading_adds_the_hosted_episodes_where_the_run_has_them():
     assert "missed, worst against `war_sticky`" in text  # the target is war's, the default
     assert ("`war_hosted` (`episode_host: engine`) against each: `openrlhf` 1.25x, `war_sticky` 1.12x, "
             "`war_dynamo_kv` 1.31x; `war` 1.25x (>= 0.98x every one)." in text)
+
+
+def test_the_no_room_reading_names_where_each_configurations_groups_started():
+    from war_openrlhf.metrics.docs_renderers import noroom_target
+
+    steps = {"openrlhf": 10.0, "war": 9.0, "war_sticky": 9.5}
+    d = _run("2026-01-01T00:00:00", steps)
+    assert "GRPO group" not in noroom_target(d)  # runs recorded without the figure say nothing of it
+    d["runs"] = {"openrlhf": [{"step_s": 10.0}] * 2,
+                 "war": [{"group_engines": 2.0, "group_engines_max": 2.0}] * 2,
+                 "war_sticky": [{"group_engines": 1.5, "group_engines_max": 2.0},
+                                {"group_engines": 2.0, "group_engines_max": 2.0}]}
+    text = noroom_target(d)
+    assert "Target (>= 0.98x every one): met." in text
+    assert text.rstrip().endswith("(mean over the groups, range over the runs; at most 2): "
+                                  "`war` 2.00, `war_sticky` 1.50-2.00.")

@@ -1027,7 +1027,24 @@ def noroom_target(d: dict) -> str:
                   f"{', '.join(f'`{c}` {v:.2f}x' for c, v in h_ratios.items())}; `war` {war / h:.2f}x "
                   f"({'>= 0.98x every one' if all(v >= 0.98 for v in h_ratios.values()) else f'worst against `{h_worst}`'}).")
     return (f"`war` against each (median step over median step): {listed}. Target (>= 0.98x every one): "
-            f"{'met' if ok else f'missed, worst against `{worst}`'}.{drafting}{hosted}\n")
+            f"{'met' if ok else f'missed, worst against `{worst}`'}.{drafting}{hosted}{_group_placement(d)}\n")
+
+
+def _group_placement(d: dict) -> str:
+    """' Engines a GRPO group's samples started on ...': each WAR-pool configuration's
+    ``group_engines`` over its runs (runs recorded before bench_rollout kept it: empty)."""
+    parts, cap = [], None
+    for c, runs in (d.get("runs") or {}).items():
+        vals = [r["group_engines"] for r in runs if r.get("group_engines") is not None]
+        if not vals:
+            continue
+        cap = max(r["group_engines_max"] for r in runs if r.get("group_engines") is not None)
+        lo, hi = min(vals), max(vals)
+        parts.append(f"`{c}` {lo:.2f}" if lo == hi else f"`{c}` {lo:.2f}-{hi:.2f}")
+    if not parts:
+        return ""
+    return (f" Engines a GRPO group's samples started on (mean over the groups, range over the runs; at most "
+            f"{cap:.0f}): {', '.join(parts)}.")
 
 
 @renderer("rollout_engine_tax")
