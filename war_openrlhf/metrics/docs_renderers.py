@@ -1033,13 +1033,13 @@ def noroom_target(d: dict) -> str:
 def _group_placement(d: dict) -> str:
     """' Engines a GRPO group's samples started on ...': each WAR-pool configuration's
     ``group_engines`` over its runs (runs recorded before bench_rollout kept it: empty)."""
-    parts, cap = [], None
+    parts, cap = [], 0.0
     for c, runs in (d.get("runs") or {}).items():
-        vals = [r["group_engines"] for r in runs if r.get("group_engines") is not None]
-        if not vals:
+        kept = [r for r in runs if r.get("group_engines") is not None]
+        if not kept:
             continue
-        cap = max(r["group_engines_max"] for r in runs if r.get("group_engines") is not None)
-        lo, hi = min(vals), max(vals)
+        cap = max(cap, *(r["group_engines_max"] for r in kept))
+        lo, hi = min(r["group_engines"] for r in kept), max(r["group_engines"] for r in kept)
         parts.append(f"`{c}` {lo:.2f}" if lo == hi else f"`{c}` {lo:.2f}-{hi:.2f}")
     if not parts:
         return ""
