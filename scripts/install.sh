@@ -94,4 +94,7 @@ if sys.argv[1] == "gpu":  # every compiled piece, before the stamp says installe
     assert torch.version.cuda, f"torch {torch.__version__} is not a CUDA build"
 print("war-openrlhf: stack imports OK (vllm", vllm.__version__ + ")")
 PY
+# The index's suffix tree (arctic-inference's, with a faster speculate) compiles with the
+# system's C++ compiler; build it now so a first run or test does not wait for it.
+"$VENV/bin/python" -c "from war_openrlhf.speculation.suffix_tree import BACKEND, load_extension; load_extension(); print('war-openrlhf: suffix tree extension built')"
 echo "$HASH" > "$STAMP"

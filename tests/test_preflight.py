@@ -19,8 +19,8 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = {r["name"]: r for r in json.loads(out.read_text())}
-    assert list(results) == ["cuda", "flash_attn", "fused_adam", "vllm", "cpu_attn", "arctic", "openrlhf", "engine",
-                             "nccl"]
+    assert list(results) == ["cuda", "flash_attn", "fused_adam", "vllm", "cpu_attn", "arctic", "suffix_tree",
+                             "openrlhf", "engine", "nccl"]
     for name, r in results.items():
         assert f"] {name}" in proc.stdout  # one line each
         assert r["status"] in ("ok", "skip"), r
@@ -31,7 +31,8 @@ def test_preflight_reports_every_check_and_passes_here(tmp_path):
         assert "CPU build" in results["cuda"]["detail"] or "sees no GPU" in results["cuda"]["detail"]
     assert results["engine"]["status"] == "ok" and "greedy on == off" in results["engine"]["detail"]
     assert "weight sync changes and restores the output" in results["engine"]["detail"]  # war-train's engine path
-    assert "preflight: 5 ok" in proc.stdout or torch.cuda.is_available()
+    assert results["suffix_tree"]["detail"] == "the war suffix tree drafts as arctic-inference's does"
+    assert "preflight: 6 ok" in proc.stdout or torch.cuda.is_available()
 
 
 def test_gpu_acceptance_refuses_a_machine_without_cuda_and_bad_arguments(tmp_path):

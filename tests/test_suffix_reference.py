@@ -1,4 +1,6 @@
-"""Property tests: the C++ SuffixTree (path mode) against the brute force.
+"""Property tests: the C++ SuffixTree (path mode) against the brute force, for both trees the
+index can run on: arctic-inference's own and the index's compiled copy with its longest-first
+speculate (``war_openrlhf.speculation.suffix_tree``).
 
 See ``tests/suffix_reference.py`` for the rule being checked.
 """
@@ -10,7 +12,7 @@ import sys
 
 import pytest
 
-from arctic_inference.suffix_decoding._C import SuffixTree
+from arctic_inference.suffix_decoding._C import SuffixTree as ArcticTree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +23,11 @@ from suffix_reference import (  # noqa: E402
     check_draft,
     f32,
 )
+
+from war_openrlhf.speculation.suffix_tree import tree_class  # noqa: E402
+
+TREES = {"arctic": ArcticTree, "war": tree_class("war")}
+each_tree = pytest.mark.parametrize("kind", list(TREES))
 
 TOKENS = st.integers(0, 3)
 SEQ_IDS = st.integers(0, 3)
@@ -43,8 +50,8 @@ def cpp_speculate(tree, context, p):
                           p["min_token_prob"], False)
 
 
-def build(max_depth, seqs):
-    tree, ref = SuffixTree(max_depth), BruteForceSuffixIndex(max_depth)
+def build(max_depth, seqs, kind="arctic"):
+    tree, ref = TREES[kind](max_depth), BruteForceSuffixIndex(max_depth)
     for seq_id, toks in seqs:
         tree.extend(seq_id, list(toks))
         ref.extend(seq_id, list(toks))
@@ -92,13 +99,14 @@ def test_count_hand_worked():
     assert ref.count(()) == 2
 
 
-def test_example_unique_long_match():
+@each_tree
+def test_example_unique_long_match(kind):
     # seq [1,2,3,1,2,4], context [2,3,1], cap = int(m*1 + 1):
     #  m=1 pattern [1]  (count 2): ->2 (2/2=1.0), [1,2] has children 3 and 4
     #      with count 1 each -> 0.5; cap 2 -> [2,3] or [2,4], score 1.5
     #  m=2 pattern [3,1] (count 1): ->2 (1.0) ->4 (1.0), then no child;
     #      cap 3 -> [2,4], score 2.0 >= 1.5 -> wins.
-    tree, ref = build(8, [(0, [1, 2, 3, 1, 2, 4])])
+    tree, ref = build(8, [(0, [1, 2, 3, 1, 2, 4])], kind)
     p = spec_params(8, 1.0, 1.0, 0.0)
     acc = ref.acceptable_drafts([2, 3, 1], **p)
     assert acc == {RefDraft(2, (2, 4), (1.0, 1.0), 2.0)}
@@ -118,9 +126,10 @@ def test_example_unique_long_match():
     check_draft(ref, cpp_speculate(tree, [0, 1, 2], p), [0, 1, 2], **p)
 
 
-def test_example_probabilities_and_min_prob():
+@each_tree
+def test_example_probabilities_and_min_prob(kind):
     # [1] occurs 3 times: children 2 (count 1) and 3 (count 2).
-    tree, ref = build(8, [(0, [1, 2]), (1, [1, 3, 4]), (2, [1, 3, 4])])
+    tree, ref = build(8, [(0, [1, 2]), (1, [1, 3, 4]), (2, [1, 3, 4])], kind)
     two_thirds = f32(f32(2.0) / f32(3.0))
     p = spec_params(8, 2.0, 1.0, 0.0)  # cap = int(1*2 + 1) = 3
     want = RefDraft(1, (3, 4), (two_thirds, two_thirds),
@@ -148,9 +157,10 @@ def test_example_probabilities_and_min_prob():
     check_draft(ref, cpp_speculate(tree, [0, 1], p), [0, 1], **p)
 
 
-def test_example_depth_limit_and_loop_bounds():
+@each_tree
+def test_example_depth_limit_and_loop_bounds(kind):
     # max_depth 2: suffixes [1,2] [2,3] [3,4] [4].
-    tree, ref = build(2, [(0, [1, 2, 3, 4])])
+    tree, ref = build(2, [(0, [1, 2, 3, 4])], kind)
     p = spec_params(8, 1.0, 0.0, 0.0)
     # m=1 [2] -> [3] (1.0); m=2 [1,2] has no child at depth 2 -> empty,
     # score 0 < 1 -> m=1 kept.
@@ -166,7 +176,7 @@ def test_example_depth_limit_and_loop_bounds():
     d = cpp_speculate(tree, [1, 2, 3, 4], p)
     assert (d.match_len, list(d.token_ids), d.score) == (2, [], 0.0)
     # The whole context is never matched (match_len < len(context)).
-    t2, r2 = build(8, [(0, [1, 2])])
+    t2, r2 = build(8, [(0, [1, 2])], kind)
     assert r2.acceptable_drafts([1], **p) == {RefDraft(0, (), (), 0.0)}
     d = cpp_speculate(t2, [1], p)
     assert (d.match_len, list(d.token_ids)) == (0, [])
@@ -189,7 +199,8 @@ def test_max_tokens_arithmetic():
     assert mt(4, 8, -1.0, 0.0) == 0  # clamped at 0
 
 
-def test_tie_order_changes_match_len():
+@each_tree
+def test_tie_order_changes_match_len(kind):
     """Tie order can change the per-length *score* and the winning length.
 
     [1] has children 2 and 4 with count 3 each (of 8); via 2 the walk goes
@@ -203,7 +214,7 @@ def test_tie_order_changes_match_len():
     ctx = [0, 7, 1]
     seen = set()
     for order in ([a] * 3 + [b] * 3 + [c1, c2], [b] * 3 + [a] * 3 + [c1, c2]):
-        tree, ref = build(8, list(enumerate(order)))
+        tree, ref = build(8, list(enumerate(order)), kind)
         acc = ref.acceptable_drafts(ctx, **p)
         assert {d.match_len for d in acc} == {1, 2}
         got = check_draft(ref, cpp_speculate(tree, ctx, p), ctx, **p,
@@ -213,7 +224,8 @@ def test_tie_order_changes_match_len():
     assert seen == {1, 2}
 
 
-def test_tie_decisions_shared_across_match_lengths():
+@each_tree
+def test_tie_decisions_shared_across_match_lengths(kind):
     """A tie decision at string S is shared by all match lengths reaching S.
 
     max_depth 4, sequences [1,2,0,0,1] and [2,0,0,2,0], context [3,2,0,0],
@@ -245,7 +257,7 @@ def test_tie_decisions_shared_across_match_lengths():
                                                         (2, (2, 0))}
     # Every C++ history we build is admitted, for a few contexts/params.
     for order in (seqs, seqs[::-1]):
-        tree, r = build(4, order)
+        tree, r = build(4, order, kind)
         for c in (ctx, [0, 0], [1, 0, 0], [3, 0]):
             for fac in (0.5, 1.0, 2.0):
                 pp = spec_params(8, fac, 1.0, 0.0)
@@ -293,8 +305,9 @@ def contexts(draw, seqs):
           suppress_health_check=[HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(max_depth=st.integers(1, 8), data=st.data())
-def test_cpp_tree_matches_reference(max_depth, data):
-    tree = SuffixTree(max_depth)
+@each_tree
+def test_cpp_tree_matches_reference(kind, max_depth, data):
+    tree = TREES[kind](max_depth)
     ref = BruteForceSuffixIndex(max_depth)
     n_ops = data.draw(st.integers(1, 14), label="n_ops")
     for _ in range(n_ops):

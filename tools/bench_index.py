@@ -12,6 +12,9 @@
   memory         bytes per cached token
   breakdown      one request's speculate: the same call again (warm CPU caches), after the
                  caches are flushed, after appending one token (as decoding does)
+  trees          speculate on the index's tree (``war``: arctic's tree with the longest-first
+                 speculate) and on arctic-inference's own tree (``arctic_`` keys), each in a
+                 replica of its own fed the same records, the same calls, in rotating order
 
 Every measurement runs --repeats times (default 3) on the same work; the JSON keeps every run
 and the table shows the median (min-max). Each is timed twice: wall time, and this thread's
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from war_openrlhf.metrics import format_table, spread, timed_call, timer_overhead_us, write_json  # noqa: E402
 from war_openrlhf.speculation import CompletedSequence, CompletedSequenceLog, GlobalSuffixIndex, SuffixIndexConfig  # noqa: E402
 from war_openrlhf.traces import group_trajectories, load_chat_traces, tokenize_traces  # noqa: E402
+from war_openrlhf.speculation.suffix_tree import tree_class  # noqa: E402
 
 DEFAULT_TRACES = ROOT.parent / "shared" / "traces" / "tau_airline_dev.json"
 
@@ -199,12 +203,18 @@ def main(argv=None) -> int:
         runs.setdefault(key, []).append(value)
 
     tokens_inserted = {}
+    arctic_config = SuffixIndexConfig(suffix_tree="arctic")
     for r in range(args.repeats):  # every measurement once per run, runs in sequence
         replica, rate, rate_cpu = bench_insertion(records, config)
         add("insertion_tokens_per_s", rate)
         add("insertion_cpu_tokens_per_s", rate_cpu)
-        for key, v in bench_speculate(replica, trajs, args.k, args.calls, args.seed, overhead).items():
-            add(key, v)
+        arctic_replica, _, _ = bench_insertion(records, arctic_config)
+        # the two trees in rotating order, the same calls (same seed) on each
+        for tree in (("war", "arctic") if r % 2 == 0 else ("arctic", "war")):
+            rep, prefix = (replica, "") if tree == "war" else (arctic_replica, "arctic_")
+            for key, v in bench_speculate(rep, trajs, args.k, args.calls, args.seed, overhead).items():
+                add(prefix + key, v)
+        del arctic_replica
         for key, v in bench_breakdown(replica, trajs, args.k, args.breakdown_calls, args.seed, overhead).items():
             add(f"breakdown_{key}", v)
         for name, recs in (("8k", worst), ("real", real_recs)):
@@ -213,7 +223,8 @@ def main(argv=None) -> int:
                 add(f"replicate_{name}_{key}", v)
             tokens_inserted[name] = toks
         print(f"run {r + 1}/{args.repeats}: insertion {rate / 1e6:.2f} M tokens/s ({rate_cpu / 1e6:.2f} by CPU time), "
-              f"speculate p50 {runs['speculate_p50_us'][-1]:.1f} us ({runs['speculate_p50_cpu_us'][-1]:.1f} CPU)",
+              f"speculate p50 {runs['speculate_p50_us'][-1]:.1f} us ({runs['speculate_p50_cpu_us'][-1]:.1f} CPU), "
+              f"arctic's tree {runs['arctic_speculate_p50_us'][-1]:.1f} us ({runs['arctic_speculate_p50_cpu_us'][-1]:.1f} CPU)",
               flush=True)
 
     results = {key: spread(vals) for key, vals in runs.items()}
@@ -225,6 +236,7 @@ def main(argv=None) -> int:
         replicate_real_tokens_per_replica=tokens_inserted["real"],
         k=args.k, calls=args.calls, breakdown_calls=args.breakdown_calls, breakdown_flush_mib=64,
         timer_overhead_us={"wall": overhead[0], "cpu": overhead[1]},
+        suffix_tree=tree_class(config.suffix_tree).__module__,
     )
 
     def fmt(key, scale=1.0):
@@ -239,6 +251,9 @@ def main(argv=None) -> int:
         {"metric": "speculate p50", "value": fmt("speculate_p50_us"), "unit": "us", "note": f"K={args.k}, {args.calls} calls"},
         {"metric": "speculate p99", "value": fmt("speculate_p99_us"), "unit": "us",
          "note": f"{results['speculate_draft_rate']['median']:.0%} of calls drafted"},
+        {"metric": "speculate p50, arctic's tree", "value": fmt("arctic_speculate_p50_us"), "unit": "us",
+         "note": f"{results['arctic_speculate_draft_rate']['median']:.0%} of calls drafted"},
+        {"metric": "speculate p99, arctic's tree", "value": fmt("arctic_speculate_p99_us"), "unit": "us", "note": ""},
         {"metric": "memory", "value": f"{results['bytes_per_indexed_token']:.0f}", "unit": "B/token",
          "note": f"{results['memory_bytes'] / 2**20:.1f} MiB"},
         {"metric": "speculate, same call again", "value": fmt("breakdown_warm_us"), "unit": "us", "note": "warm caches"},

@@ -167,6 +167,31 @@ def check_arctic() -> Check:
     return Check("arctic", "ok", "arctic-inference suffix tree drafts the continuation it holds")
 
 
+def check_suffix_tree() -> Check:
+    """The index's compiled tree (built with the node's C++ compiler at first use) drafts
+    what arctic-inference's own tree drafts."""
+    try:
+        import numpy as np
+        from arctic_inference.suffix_decoding._C import SuffixTree as ArcticTree
+
+        from .speculation.suffix_tree import default_backend, tree_class
+
+        backend = default_backend()
+        ours, arctic = tree_class(backend)(8), ArcticTree(8)
+        seq = np.array([1, 2, 3, 1, 2, 4, 1, 2, 3, 5], dtype=np.int32)
+        for t in (ours, arctic):
+            t.extend_ndarray(0, seq)
+        ctx = np.array([9, 1, 2], dtype=np.int32)
+        got, want = (list(t.speculate_ndarray(ctx, 4, 1.0, 0.0, 0.0, False).token_ids) for t in (ours, arctic))
+    except Exception as exc:  # noqa: BLE001
+        return Check("suffix_tree", "fail", f"{type(exc).__name__}: {str(exc)[:240]}",
+                     "install a C++20 compiler (g++ >= 10) or set CXX; WAR_SUFFIX_TREE=arctic runs without it")
+    if got != want:
+        return Check("suffix_tree", "fail", f"the {backend} tree drafted {got}, arctic's {want}",
+                     "delete ~/.cache/war_openrlhf/extensions to rebuild; report it")
+    return Check("suffix_tree", "ok", f"the {backend} suffix tree drafts as arctic-inference's does")
+
+
 def check_openrlhf() -> Check:
     try:
         from .integrations.openrlhf import check_openrlhf_version
@@ -417,7 +442,8 @@ def run_preflight(*, engine: bool = True, workdir: Path | None = None,
     workdir = Path(workdir or Path(tempfile.gettempdir()) / "war_preflight")
     checks: list[tuple[str, Callable[[], Check]]] = [
         ("cuda", check_cuda), ("flash_attn", check_flash_attn), ("fused_adam", check_fused_adam),
-        ("vllm", check_vllm), ("cpu_attn", check_cpu_attention), ("arctic", check_arctic), ("openrlhf", check_openrlhf),
+        ("vllm", check_vllm), ("cpu_attn", check_cpu_attention), ("arctic", check_arctic),
+        ("suffix_tree", check_suffix_tree), ("openrlhf", check_openrlhf),
         ("engine", (lambda: check_engine(workdir)) if engine else
          (lambda: Check("engine", "skip", "--skip-engine given"))),
         ("nccl", check_nccl),

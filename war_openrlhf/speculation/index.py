@@ -6,7 +6,8 @@ engine, so a GRPO sibling on engine B cannot draft from the samples engine A
 finished. Here every replica applies the same log, so every engine drafts from
 every completed turn of the step (and of earlier steps, within a token budget).
 
-The trees themselves are arctic-inference's C++ ``SuffixTree``; a replica
+The trees themselves are arctic-inference's C++ ``SuffixTree`` (:mod:`.suffix_tree`: compiled
+here with a longest-first, incremental speculate that drafts the same); a replica
 (:class:`GlobalSuffixIndex`) puts together:
 
 - *replicated state* (deterministic from the log; :mod:`.replica`, applied in bounded
@@ -38,6 +39,7 @@ from .log import CompletedSequenceLog, LogEntry
 from .records import as_token_array
 from .replica import ReplicatedTrees
 from .request_trees import RequestState, RequestTrees
+from .suffix_tree import tree_class
 
 __all__ = ["Draft", "GlobalSuffixIndex", "IndexFileError", "SuffixIndexConfig"]
 
@@ -70,6 +72,8 @@ class GlobalSuffixIndex:
         self._depth = config.max_tree_depth
         self._replica = ReplicatedTrees(config)
         self._local = RequestTrees(config)
+        # the compiled tree's incremental speculate (arctic's own tree has none)
+        self._incremental = hasattr(tree_class(config.suffix_tree), "speculate_handle_ndarray")
 
     # ================================================================ replication
     @property
@@ -156,7 +160,9 @@ class GlobalSuffixIndex:
 
     def stop_request(self, request_id: str) -> None:
         """The request finished (its record arrives through the log)."""
-        self._local.stop(request_id)
+        state = self._local.stop(request_id)
+        if self._incremental:
+            self._replica.global_tree.forget_handle(state.handle)
 
     # ================================================================ speculation
     # Two entry points share :meth:`_speculate`: :meth:`speculate` checks every argument (any
@@ -259,7 +265,12 @@ class GlobalSuffixIndex:
             if d.score > best_score:
                 best, best_score, source = d, d.score, "live"
         if replica.records and best_score < full:
-            d = replica.global_tree.speculate_ndarray(*args)
+            tree = replica.global_tree
+            if self._incremental:  # the same draft, starting from what this request's last call learned
+                d = tree.speculate_handle_ndarray(ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
+                                                  min_prob, state.handle)
+            else:
+                d = tree.speculate_ndarray(*args)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "global"
         return best, source

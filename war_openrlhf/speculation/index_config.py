@@ -50,6 +50,10 @@ class SuffixIndexConfig:
       burst of completed turns never stalls a step; an idle engine applies them at once.
     - ``max_pending_tokens``: a backlog beyond this many queued response tokens is applied
       in full at the next step (the replica never falls far behind the log).
+    - ``suffix_tree``: the C++ tree (:mod:`.suffix_tree`): ``war`` (arctic-inference's tree
+      with a longest-first speculate, the same drafts at fewer node visits; compiled at first
+      use), ``arctic`` (arctic-inference's own, for a node without a C++ compiler); ``None``:
+      ``$WAR_SUFFIX_TREE``, else ``war``.
     """
 
     max_tree_depth: int = 32
@@ -69,6 +73,7 @@ class SuffixIndexConfig:
     match_window: int | None = None
     apply_budget_ms: float = 0.5
     max_pending_tokens: int = 65536
+    suffix_tree: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -81,6 +86,8 @@ class SuffixIndexConfig:
         check_int("SuffixIndexConfig", "match_window", self.match_window, 2, nullable=True)
         check_int("SuffixIndexConfig", "max_pending_tokens", self.max_pending_tokens, 0)
         check_int("SuffixIndexConfig", "inflight_chunk_tokens", self.inflight_chunk_tokens, 1)
+        if self.suffix_tree is not None and self.suffix_tree not in ("war", "arctic"):
+            raise bad("suffix_tree", "must be 'war', 'arctic' or null")
         if not float(self.apply_budget_ms) > 0:
             raise bad("apply_budget_ms", "must be > 0")
         if not 0.0 < float(self.evict_to_fraction) <= 1.0:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
-from arctic_inference.suffix_decoding._C import SuffixTree
+from .suffix_tree import SuffixTree
 
 #: Sequence ids handed to the C++ tree are 31-bit.
 SEQ_MASK = 0x7FFFFFFF
@@ -71,7 +71,7 @@ class RebuildJob:
 
 
 def rebuild_group_trees(
-    records: Iterable[StoredRecord], old: dict[str, GroupTree], depth: int
+    records: Iterable[StoredRecord], old: dict[str, GroupTree], new_tree: Callable[[], SuffixTree]
 ) -> dict[str, GroupTree]:
     """Group trees holding exactly ``records`` (in order); a group whose records did not
     change keeps its tree from ``old``."""
@@ -86,7 +86,7 @@ def rebuild_group_trees(
         if kept is not None and kept.seqs == seqs:
             groups[gid] = kept  # untouched group keeps its tree
             continue
-        tree = SuffixTree(depth)
+        tree = new_tree()
         for s in seqs:
             tree.extend_ndarray(s & SEQ_MASK, by_seq[s].tokens)
         groups[gid] = GroupTree(tree, seqs)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from arctic_inference.suffix_decoding._C import SuffixTree
+from .suffix_tree import SuffixTree, tree_class
 
 from .index_config import SuffixIndexConfig
 from .log import LogEntry
@@ -56,9 +56,11 @@ class ReplicatedTrees:
     def __init__(self, config: SuffixIndexConfig) -> None:
         self.config = config
         self.depth = config.max_tree_depth
+        tree = tree_class(config.suffix_tree)
+        self.new_tree = lambda: tree(self.depth)  # every tree of this replica: one kind, one depth
         self.chunk = self.CHUNK
         self.records: OrderedDict[int, StoredRecord] = OrderedDict()
-        self.global_tree = SuffixTree(self.depth)
+        self.global_tree = self.new_tree()
         self.global_tokens = 0
         self.groups: dict[str, GroupTree] = {}
         self.applied_seq = 0
@@ -102,7 +104,7 @@ class ReplicatedTrees:
             self.global_tree.extend_ndarray(stored.seq & SEQ_MASK, stored.tokens)
             self.global_tokens += int(stored.tokens.size)
         if self.config.group_trees:
-            self.groups = rebuild_group_trees(self.records.values(), self.groups, self.depth)
+            self.groups = rebuild_group_trees(self.records.values(), self.groups, self.new_tree)
         self.applied_seq = self.queued_seq = applied_seq
         self.policy_version = policy_version
 
@@ -204,7 +206,7 @@ class ReplicatedTrees:
             return int(chunk.size)
         self.inserting = None
         if self.config.group_trees:
-            group = self.groups.get(stored.group_id) or GroupTree(SuffixTree(self.depth), [])
+            group = self.groups.get(stored.group_id) or GroupTree(self.new_tree(), [])
             group.tree.extend_ndarray(stored.seq & SEQ_MASK, stored.tokens)
             group.seqs.append(stored.seq)
             self.groups[stored.group_id] = group
@@ -224,7 +226,7 @@ class ReplicatedTrees:
             return
         group = self.inflight.get(chunk.group_id)
         if group is None:
-            group = self.inflight[chunk.group_id] = InflightGroup(SuffixTree(self.depth))
+            group = self.inflight[chunk.group_id] = InflightGroup(self.new_tree())
         turn = group.turns.get(chunk.key)
         if turn is None:
             turn = group.turns[chunk.key] = [self._inflight_next, 0, chunk.trajectory_id]
@@ -299,9 +301,9 @@ class ReplicatedTrees:
         self.stats["records_stale_dropped"] += n_stale
         self.stats["rebuilds"] += 1
         # The old tree keeps drafting until the new one holds every survivor.
-        self.rebuilding = RebuildJob(SuffixTree(self.depth), list(self.records.values()))
+        self.rebuilding = RebuildJob(self.new_tree(), list(self.records.values()))
         if cfg.group_trees:
-            self.groups = rebuild_group_trees(self.records.values(), self.groups, self.depth)
+            self.groups = rebuild_group_trees(self.records.values(), self.groups, self.new_tree)
 
     def _rebuild_step(self) -> int:
         job = self.rebuilding

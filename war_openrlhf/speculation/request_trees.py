@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from arctic_inference.suffix_decoding._C import SuffixTree
+from .suffix_tree import tree_class
 
 from .index_config import SuffixIndexConfig
 from .rebuild import SEQ_MASK
@@ -25,6 +25,7 @@ class RequestState:
     group_id: str | None
     live_seq: int | None
     live_tokens: int = 0
+    handle: int = 0  # the request's key for the incremental speculate of shared trees
 
 
 class TrajectoryTree:
@@ -32,8 +33,8 @@ class TrajectoryTree:
 
     __slots__ = ("tree", "tokens", "length")
 
-    def __init__(self, depth: int) -> None:
-        self.tree = SuffixTree(depth)
+    def __init__(self, tree: Any) -> None:
+        self.tree = tree
         self.tokens = np.zeros(1024, dtype=np.int32)
         self.length = 0
 
@@ -62,8 +63,11 @@ class RequestTrees:
         self.depth = config.max_tree_depth
         self.requests: dict[str, RequestState] = {}
         self.trajectories: OrderedDict[str, TrajectoryTree] = OrderedDict()
-        self.live = SuffixTree(self.depth)
+        tree = tree_class(config.suffix_tree)
+        self.new_tree = lambda: tree(self.depth)
+        self.live = self.new_tree()
         self.next_live_seq = 0
+        self.next_handle = 0
 
     def start(
         self,
@@ -80,7 +84,7 @@ class RequestTrees:
         key = ("traj:" + _check_id(trajectory_id, "trajectory_id")) if trajectory_id is not None else ("req:" + request_id)
         ttree = self.trajectories.get(key)
         if ttree is None or not ttree.is_prefix_of(prompt):
-            ttree = TrajectoryTree(self.depth)
+            ttree = TrajectoryTree(self.new_tree())
             self.trajectories[key] = ttree
         self.trajectories.move_to_end(key)
         ttree.append(prompt[ttree.length :])
@@ -93,7 +97,8 @@ class RequestTrees:
         if self.config.live_responses:
             live_seq = self.next_live_seq
             self.next_live_seq = (self.next_live_seq + 1) & SEQ_MASK
-        self.requests[request_id] = RequestState(key, group, live_seq)
+        self.requests[request_id] = RequestState(key, group, live_seq, handle=self.next_handle)
+        self.next_handle += 1
 
     def extend(self, request_id: str, token_ids: Sequence[int] | np.ndarray) -> None:
         state = self.get(request_id)  # an unknown request is an error even with nothing to add
@@ -108,13 +113,14 @@ class RequestTrees:
             self.live.extend_ndarray(state.live_seq, tokens)
             state.live_tokens += int(tokens.size)
 
-    def stop(self, request_id: str) -> None:
+    def stop(self, request_id: str) -> RequestState:
         state = self.get(request_id)
         del self.requests[request_id]
         if state.live_seq is not None and state.live_tokens:
             self.live.remove(state.live_seq)
         if state.trajectory_key.startswith("req:"):
             self.trajectories.pop(state.trajectory_key, None)
+        return state
 
     def get(self, request_id: Any) -> RequestState:
         """The live request's state; an unknown id raises with the reason."""
