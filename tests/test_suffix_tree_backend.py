@@ -287,3 +287,16 @@ def test_an_index_on_either_tree_drafts_the_same_along_decodes():
             ix.stop_request(f"r{r}")
     assert compared > 200
     assert war._replica.global_tree.num_handles() == 0  # every finished request's handle forgotten
+
+
+def test_a_request_trees_handle_is_forgotten_when_the_request_stops():
+    from war_openrlhf.speculation import GlobalSuffixIndex, SuffixIndexConfig
+
+    ix = GlobalSuffixIndex(SuffixIndexConfig(suffix_tree="war"))
+    prompt = np.array([1, 2, 3, 4, 1, 2, 3, 5, 1, 2], dtype=np.int32)
+    ix.start_request("a", prompt, "g", "traj")
+    ix.speculate("a", prompt, 4)
+    tree = ix._local.trajectories["traj:traj"].tree
+    assert tree.num_handles() == 1
+    ix.stop_request("a")  # the trajectory's tree lives on for its next turn; the handle does not
+    assert tree.num_handles() == 0

@@ -39,7 +39,6 @@ from .log import CompletedSequenceLog, LogEntry
 from .records import as_token_array
 from .replica import ReplicatedTrees
 from .request_trees import RequestState, RequestTrees
-from .suffix_tree import tree_class
 
 __all__ = ["Draft", "GlobalSuffixIndex", "IndexFileError", "SuffixIndexConfig"]
 
@@ -73,7 +72,7 @@ class GlobalSuffixIndex:
         self._replica = ReplicatedTrees(config)
         self._local = RequestTrees(config)
         # the compiled tree's incremental speculate (arctic's own tree has none)
-        self._incremental = hasattr(tree_class(config.suffix_tree), "speculate_handle_ndarray")
+        self._incremental = self._local.incremental
 
     # ================================================================ replication
     @property
@@ -238,8 +237,14 @@ class GlobalSuffixIndex:
             ctx = np.ascontiguousarray(ctx)
         args = (ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob, False)
         local, replica = self._local, self._replica
-        # Candidates in tie-break order, each with its score weight.
-        best = local.trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
+        # Candidates in tie-break order, each with its score weight. The compiled tree's handle
+        # form starts from what this request's last call learned (the same draft, fewer walks).
+        incremental = self._incremental
+        if incremental:
+            best = local.trajectories[state.trajectory_key].tree.speculate_handle_ndarray(
+                ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob, state.handle)
+        else:
+            best = local.trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
         best_score, source = best.score, "request"
         full = float(max_tokens)  # no draft scores more than max_tokens
         group_id = state.group_id
@@ -266,7 +271,7 @@ class GlobalSuffixIndex:
                 best, best_score, source = d, d.score, "live"
         if replica.records and best_score < full:
             tree = replica.global_tree
-            if self._incremental:  # the same draft, starting from what this request's last call learned
+            if incremental:
                 d = tree.speculate_handle_ndarray(ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
                                                   min_prob, state.handle)
             else:

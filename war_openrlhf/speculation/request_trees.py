@@ -65,6 +65,8 @@ class RequestTrees:
         self.trajectories: OrderedDict[str, TrajectoryTree] = OrderedDict()
         tree = tree_class(config.suffix_tree)
         self.new_tree = lambda: tree(self.depth)
+        #: the compiled tree's incremental speculate, keyed by each request's handle (arctic's has none)
+        self.incremental = hasattr(tree, "speculate_handle_ndarray")
         self.live = self.new_tree()
         self.next_live_seq = 0
         self.next_handle = 0
@@ -120,6 +122,8 @@ class RequestTrees:
             self.live.remove(state.live_seq)
         if state.trajectory_key.startswith("req:"):
             self.trajectories.pop(state.trajectory_key, None)
+        elif self.incremental and state.trajectory_key in self.trajectories:
+            self.trajectories[state.trajectory_key].tree.forget_handle(state.handle)
         return state
 
     def get(self, request_id: Any) -> RequestState:

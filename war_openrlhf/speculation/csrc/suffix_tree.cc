@@ -651,7 +651,9 @@ Draft SuffixTree::speculate(std::span<const int32_t> context,
 //    its last s tokens, a string ending with c_old's suffix of length q + 1 (when m - s >
 //    q) that occurs followed by a token: impossible by the definition of q. So the new
 //    next_len is at most q + s, and the smallest such s gives the tightest bound. A request
-//    decoding along a match (s = accepted + 1 tokens) probes q + s first: one walk.
+//    decoding along a match (s = accepted + 1 tokens) probes q + s first: one walk. On a
+//    changed tree (a request's own tree grows every step) q + s is no bound, only a guess:
+//    it is probed first, then the length above it; a guess that holds costs two walks.
 int SuffixTree::_next_len_bound(const Hint& hint, std::span<const int32_t> context) const {
     const int n = static_cast<int>(context.size());
     const int t = static_cast<int>(hint.tail.size());  // q + 1
@@ -720,23 +722,36 @@ Draft SuffixTree::_speculate_longest_first(std::span<const int32_t> context,
     int matched = 0;               // longest length seen to match
     int unmatched = longest + 1;   // shortest length seen not to match
     std::pair<Node*, int> at_lo{nullptr, -1};
-    bool probe_top = false;        // a hint's bound is usually met exactly: probe it first
+    // Probes to try before bisecting: a handle's guess of m_next, then the length above it
+    // (a guess that holds is then confirmed in two walks). Only the order of the probes
+    // depends on the guess, never the result.
+    int guess = -1;
     if (handle >= 0) {
         auto it = _hints.find(handle);
-        if (it != _hints.end() && it->second.saturated) {
-            probe_top = true;  // an order only: any result is found either way
-        } else if (it != _hints.end() && it->second.mutations == _mutations
-                && static_cast<int>(it->second.tail.size()) == it->second.next_len + 1) {
-            int bound = _next_len_bound(it->second, context);
-            if (bound < longest) {
-                hi = bound + 1;
+        if (it != _hints.end()) {
+            const Hint& hint = it->second;
+            if (hint.saturated) {
+                guess = longest;  // it matched its whole window last time
+            } else if (static_cast<int>(hint.tail.size()) == hint.next_len + 1) {
+                int bound = _next_len_bound(hint, context);
+                if (hint.mutations == _mutations && bound < longest) {
+                    hi = bound + 1;  // proven (fact 3): the tree has not changed
+                }
+                guess = std::min(bound, longest);
             }
-            probe_top = true;
         }
     }
+    bool confirm = false;  // the guess held: probe the length above it next
     while (hi - lo > 1) {
-        int mid = probe_top ? hi - 1 : lo + (hi - lo) / 2;
-        probe_top = false;
+        int mid = lo + (hi - lo) / 2;
+        if (confirm) {
+            mid = lo + 1;
+        } else if (guess > lo && guess < hi) {
+            mid = guess;
+        }
+        const bool guessed = mid == guess;
+        confirm = false;
+        guess = -1;
         auto found = match(mid);
         if (found.first == nullptr) {
             unmatched = std::min(unmatched, mid);
@@ -747,6 +762,7 @@ Draft SuffixTree::_speculate_longest_first(std::span<const int32_t> context,
         if (found.second < found.first->length || found.first->head_child != nullptr) {
             lo = mid;
             at_lo = found;
+            confirm = guessed;
         } else {
             hi = mid;
         }
