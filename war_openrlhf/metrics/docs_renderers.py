@@ -209,9 +209,10 @@ def _speculate_tree_reading(r: dict, p50: float) -> str:
         "from the root once per match length and drafts at every length, O(window^2) node visits. The index's tree "
         "(arctic's, compiled here, `war_openrlhf/speculation/csrc`) returns the same drafts (checked against "
         "arctic's compiled tree by property tests) from a binary search for the longest match that is followed by "
-        "a token, drafts from the longest match down until no shorter one can score higher, and a per-request "
-        "handle on the global tree: while the tree is unchanged, a request's next call starts from the bound its "
-        f"last call proved, so decoding along a match costs one walk. {arctic / p50:.2f}x less time per call.")
+        "a token, drafts from the longest match down until no shorter one can score higher, and a handle per "
+        "request: while a tree is unchanged (the global tree between log slices), the request's next call starts "
+        "from the bound its last call proved, so decoding along a match costs one walk; on a tree that changed (the "
+        f"request's own, every step) the same bound is only probed first. {arctic / p50:.2f}x less time per call.")
 
 
 @renderer("index_reading")
