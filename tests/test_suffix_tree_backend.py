@@ -279,6 +279,8 @@ def test_an_index_on_either_tree_drafts_the_same_along_decodes():
             for ix in (war, arctic):
                 ix.extend_request(f"r{r}", resp[pos : pos + step])
             pos += step
+            for ix in (war, arctic):  # the live tree's count kept in Python is the tree's own
+                assert ix._local.live_seqs == ix._local.live.num_seqs()
             if rng.random() < 0.1:  # a record arrives mid-decode
                 log.append_many([CompletedSequence.create(f"late{r}_{pos}", "g0", 0, text(1), text(3))])
                 for ix in (war, arctic):

@@ -235,16 +235,16 @@ class GlobalSuffixIndex:
             ctx = ctx[-window:]
         if not ctx.flags.c_contiguous:
             ctx = np.ascontiguousarray(ctx)
-        args = (ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob, False)
+        factor, offset = cfg.max_spec_factor, cfg.max_spec_offset
         local, replica = self._local, self._replica
         # Candidates in tie-break order, each with its score weight. The compiled tree's handle
         # form starts from what this request's last call learned (the same draft, fewer walks).
         incremental = self._incremental
+        tree = local.trajectories[state.trajectory_key].tree
         if incremental:
-            best = local.trajectories[state.trajectory_key].tree.speculate_handle_ndarray(
-                ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset, min_prob, state.handle)
+            best = tree.speculate_handle_ndarray(ctx, max_tokens, factor, offset, min_prob, state.handle)
         else:
-            best = local.trajectories[state.trajectory_key].tree.speculate_ndarray(*args)
+            best = tree.speculate_ndarray(ctx, max_tokens, factor, offset, min_prob, False)
         best_score, source = best.score, "request"
         full = float(max_tokens)  # no draft scores more than max_tokens
         group_id = state.group_id
@@ -253,29 +253,28 @@ class GlobalSuffixIndex:
             if cfg.group_trees:
                 group = replica.groups.get(group_id)
                 if group is not None:
-                    d = group.tree.speculate_ndarray(*args)
+                    d = group.tree.speculate_ndarray(ctx, max_tokens, factor, offset, min_prob, False)
                     if d.score * bias > best_score:
                         best, best_score, source = d, d.score * bias, "group"
             # The group's turns still generating on any engine (chunks on the log), weighed as the group.
             if replica.inflight and best_score < full * bias:
                 group = replica.inflight.get(group_id)
                 if group is not None:
-                    d = group.tree.speculate_ndarray(*args)
+                    d = group.tree.speculate_ndarray(ctx, max_tokens, factor, offset, min_prob, False)
                     if d.score * bias > best_score:
                         best, best_score, source = d, d.score * bias, "inflight"
         # The live tree holds this engine's in-flight responses; when the only one is this
         # request's own (already in its trajectory tree) it can add nothing: skip the lookup.
-        if state.live_seq is not None and best_score < full and local.live.num_seqs() > (state.live_tokens > 0):
-            d = local.live.speculate_ndarray(*args)
+        if state.live_seq is not None and best_score < full and local.live_seqs > (state.live_tokens > 0):
+            d = local.live.speculate_ndarray(ctx, max_tokens, factor, offset, min_prob, False)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "live"
         if replica.records and best_score < full:
             tree = replica.global_tree
             if incremental:
-                d = tree.speculate_handle_ndarray(ctx, max_tokens, cfg.max_spec_factor, cfg.max_spec_offset,
-                                                  min_prob, state.handle)
+                d = tree.speculate_handle_ndarray(ctx, max_tokens, factor, offset, min_prob, state.handle)
             else:
-                d = tree.speculate_ndarray(*args)
+                d = tree.speculate_ndarray(ctx, max_tokens, factor, offset, min_prob, False)
             if d.score > best_score:
                 best, best_score, source = d, d.score, "global"
         return best, source

@@ -68,6 +68,7 @@ class RequestTrees:
         #: the compiled tree's incremental speculate, keyed by each request's handle (arctic's has none)
         self.incremental = hasattr(tree, "speculate_handle_ndarray")
         self.live = self.new_tree()
+        self.live_seqs = 0  # sequences in the live tree (its num_seqs(), without a call into C++)
         self.next_live_seq = 0
         self.next_handle = 0
 
@@ -113,6 +114,7 @@ class RequestTrees:
         self.trajectories[state.trajectory_key].append(tokens)
         if state.live_seq is not None:
             self.live.extend_ndarray(state.live_seq, tokens)
+            self.live_seqs += state.live_tokens == 0
             state.live_tokens += int(tokens.size)
 
     def stop(self, request_id: str) -> RequestState:
@@ -120,6 +122,7 @@ class RequestTrees:
         del self.requests[request_id]
         if state.live_seq is not None and state.live_tokens:
             self.live.remove(state.live_seq)
+            self.live_seqs -= 1
         if state.trajectory_key.startswith("req:"):
             self.trajectories.pop(state.trajectory_key, None)
         elif self.incremental and state.trajectory_key in self.trajectories:
