@@ -167,7 +167,7 @@ def index_summary(d: dict) -> str:
     if "arctic_insertion_tokens_per_s" in r:
         ains = both("arctic_insertion_tokens_per_s", ".2f", 1e-6)
         rows.insert(1, ["insertion on arctic-inference's own tree (M tokens/s)", ains[0], ains[1], "",
-                        "the same records, a replica of its own (built after the index's, each run)"])
+                        "the same records, a replica of its own; the two trees in rotating order each run"])
     if "arctic_speculate_p50_us" in r:  # the same index and calls on arctic-inference's own tree
         a50, a99 = both("arctic_speculate_p50_us"), both("arctic_speculate_p99_us")
         rows += [
