@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
+
 from .suffix_tree import SuffixTree
 
 #: Sequence ids handed to the C++ tree are 31-bit.

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-from .suffix_tree import SuffixTree, tree_class
 
 from .index_config import SuffixIndexConfig
 from .log import LogEntry
 from .rebuild import SEQ_MASK, GroupTree, RebuildJob, StoredRecord, rebuild_group_trees
+from .suffix_tree import SuffixTree, tree_class
 
 
 @dataclass

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-from .suffix_tree import tree_class
 
 from .index_config import SuffixIndexConfig
 from .rebuild import SEQ_MASK
 from .records import _check_id, as_token_array
+from .suffix_tree import tree_class
 
 
 @dataclass
