@@ -95,6 +95,7 @@ if sys.argv[1] == "gpu":  # every compiled piece, before the stamp says installe
 print("war-openrlhf: stack imports OK (vllm", vllm.__version__ + ")")
 PY
 # The index's suffix tree (arctic-inference's, with a faster speculate) compiles with the
-# system's C++ compiler; build it now so a first run or test does not wait for it.
-"$VENV/bin/python" -c "from war_openrlhf.speculation.suffix_tree import BACKEND, load_extension; load_extension(); print('war-openrlhf: suffix tree extension built')"
+# system's C++ compiler; build it now so a first run or test does not wait for it
+# (WAR_SUFFIX_TREE=arctic: the index runs on arctic's own tree and nothing is built).
+"$VENV/bin/python" -c "from war_openrlhf.speculation.suffix_tree import default_backend as b, tree_class; tree_class(); print('war-openrlhf: suffix tree', b())"
 echo "$HASH" > "$STAMP"

@@ -19,15 +19,16 @@ from arctic_inference.suffix_decoding._C import SuffixTree as ArcticTree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from war_openrlhf.speculation import suffix_tree
-from war_openrlhf.speculation.suffix_tree import SuffixTree as WarTree
+from war_openrlhf.speculation.suffix_tree import default_backend, tree_class
 
+WarTree = tree_class("war")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_index_uses_the_compiled_tree_unless_told_otherwise():
     if os.environ.get("WAR_SUFFIX_TREE", "war") == "war":
-        assert suffix_tree.BACKEND == "war"
+        assert default_backend() == "war"
+        assert tree_class() is WarTree
         assert WarTree.__module__ == "_war_suffix_tree"
         assert hasattr(WarTree, "speculate_reference_ndarray")
 
@@ -151,23 +152,37 @@ def test_a_handle_learns_nothing_stale_from_a_changed_tree():
 
 
 def test_a_handle_spares_walks_along_a_match():
-    """Decoding along a long match, each call after the first finds its match bound at once:
-    fewer node visits shows as time. Counted, not timed: the tree reports no visits, so the
-    test checks the bound the handle keeps (next_len grows with the context) and that a
-    changed tree drops it (mutations)."""
-    seq = np.arange(40, dtype=np.int32) % 13
-    tree = WarTree(16)
-    tree.extend_ndarray(0, seq)
-    lens = []
-    for end in range(20, 40, 2):
-        d = tree.speculate_handle_ndarray(np.ascontiguousarray(seq[end - 12 : end]), 4, 1.0, 0.0, 0.0, 7)
-        lens.append(d.next_len)
-    assert lens == [11] * len(lens)  # the whole window matches, followed by more text
-    before = tree.mutations()
-    tree.extend_ndarray(1, np.array([1, 2], dtype=np.int32))
-    assert tree.mutations() == before + 2
+    """A request decodes along stored text behind a context the tree never saw, so its
+    longest continued match grows by one token a call and stays below the window. With a
+    handle each call probes the bound its last call proved (and the length above it); without
+    one it bisects. Counted in walks from the root (the tree's ``walks()``), not timed; the
+    drafts are the same either way."""
+    rng = np.random.default_rng(5)
+    seq = rng.integers(100, 200, size=300, dtype=np.int32)
+    junk = np.arange(1000, 1017, dtype=np.int32)  # never stored: every match stops at it
+    plain, incremental = WarTree(32), WarTree(32)
+    for t in (plain, incremental):
+        t.extend_ndarray(0, seq)
+    spent = {}
+    for tree, handle in ((plain, None), (incremental, 9)):
+        before = tree.walks()
+        drafts = []
+        for k in range(1, 14):
+            ctx = np.ascontiguousarray(np.concatenate([junk, seq[50 : 50 + k]])[-17:])
+            d = (tree.speculate_ndarray(ctx, 4, 1.0, 0.0, 0.0, False) if handle is None
+                 else tree.speculate_handle_ndarray(ctx, 4, 1.0, 0.0, 0.0, handle))
+            assert d.next_len == k
+            drafts.append(draft_tuple(d))
+        spent[handle] = (tree.walks() - before, drafts)
+    assert spent[9][1] == spent[None][1]
+    assert spent[9][0] <= 2 * 13 + 2  # the bound, then the length above it (the first call bisects)
+    assert spent[9][0] < spent[None][0]
+    # the handle's knowledge is tied to the tree as it was: a change is counted
+    before = incremental.mutations()
+    incremental.extend_ndarray(1, np.array([1, 2], dtype=np.int32))
+    assert incremental.mutations() == before + 2
     with pytest.raises(ValueError, match="handle"):
-        tree.speculate_handle_ndarray(np.ascontiguousarray(seq[:5]), 4, 1.0, 0.0, 0.0, -1)
+        incremental.speculate_handle_ndarray(np.ascontiguousarray(seq[:5]), 4, 1.0, 0.0, 0.0, -1)
 
 
 def test_equal_on_real_token_text_at_the_index_depth():
@@ -213,7 +228,7 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_backend_choice_by_environment(tmp_path):
-    code = "from war_openrlhf.speculation import suffix_tree as s; print(s.BACKEND, s.SuffixTree.__module__)"
+    code = "from war_openrlhf.speculation import suffix_tree as s; print(s.default_backend(), s.tree_class().__module__)"
     arctic = _run(code, WAR_SUFFIX_TREE="arctic")
     assert arctic.returncode == 0, arctic.stderr
     assert arctic.stdout.split() == ["arctic", "arctic_inference.suffix_decoding._C"]
@@ -225,8 +240,26 @@ def test_backend_choice_by_environment(tmp_path):
     assert "no-such-compiler" in broken.stderr and "WAR_SUFFIX_TREE=arctic" in broken.stderr
 
 
+def test_an_index_configured_for_arctics_tree_needs_no_compiler(tmp_path):
+    """``SuffixIndexConfig.suffix_tree: arctic`` is the way out on a node without a compiler:
+    importing the package and building such an index compiles nothing."""
+    code = ("import numpy as np; from war_openrlhf.speculation import GlobalSuffixIndex, SuffixIndexConfig; "
+            "ix = GlobalSuffixIndex(SuffixIndexConfig(suffix_tree='arctic')); "
+            "ix.start_request('r', np.array([1, 2, 3, 1, 2], dtype=np.int32)); "
+            "print(ix.speculate('r', np.array([1, 2], dtype=np.int32), 2).token_ids)")
+    ext = tmp_path / "ext"
+    done = _run(code, CXX=str(tmp_path / "no-such-compiler"), WAR_EXTENSION_DIR=str(ext), WAR_SUFFIX_TREE="war")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[3]"  # a match of one token drafts one (factor 1)
+    assert not ext.exists()
+    with pytest.raises(ValueError, match="suffix_tree"):
+        from war_openrlhf.speculation import SuffixIndexConfig
+
+        SuffixIndexConfig(suffix_tree="fast")
+
+
 def test_a_fresh_extension_directory_builds_and_caches(tmp_path):
-    code = ("from war_openrlhf.speculation import suffix_tree as s; import numpy as np; t = s.SuffixTree(4); "
+    code = ("from war_openrlhf.speculation import suffix_tree as s; import numpy as np; t = s.tree_class()(4); "
             "t.extend_ndarray(0, np.array([1, 2, 1, 3], dtype=np.int32)); "
             "print(t.speculate_ndarray(np.array([0, 1], dtype=np.int32), 2, 1.0, 0.0, 0.0, False).token_ids)")
     ext = tmp_path / "ext"

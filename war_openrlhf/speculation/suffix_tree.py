@@ -16,7 +16,8 @@ under ``$WAR_EXTENSION_DIR`` (default ``~/.cache/war_openrlhf/extensions``). Con
 builds (several engine processes starting at once) each write a private file and rename it
 into place, so a reader never sees a partial library.
 
-``WAR_SUFFIX_TREE`` picks the process's tree, ``SuffixIndexConfig.suffix_tree`` one index's:
+``WAR_SUFFIX_TREE`` picks the process's tree, ``SuffixIndexConfig.suffix_tree`` one index's
+(nothing is built before an index asks for the ``war`` tree):
 ``war`` (default: this extension; a failed build raises with the compiler's output) or
 ``arctic`` (arctic-inference's own ``_C.SuffixTree``: the same drafts, the slower speculate;
 for a node without a compiler).
@@ -36,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-__all__ = ["BACKEND", "SuffixTree", "TreeBuildError", "default_backend", "load_extension", "tree_class"]
+__all__ = ["SuffixTree", "TreeBuildError", "default_backend", "load_extension", "tree_class"]
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("suffix_tree.cc", "bindings.cc")
@@ -141,6 +142,5 @@ def tree_class(backend: str | None = None) -> Any:
     return cls
 
 
-#: this process's default tree ("war" or "arctic") and its class (arctic's ``_C.SuffixTree`` surface)
-BACKEND = default_backend()
-SuffixTree = tree_class(BACKEND)
+#: what every tree class here provides (arctic's ``_C.SuffixTree`` surface); for annotations
+SuffixTree = Any

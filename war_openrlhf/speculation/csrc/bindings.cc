@@ -5,7 +5,7 @@
 // - ``speculate_ndarray`` / ``speculate`` with ``use_tree_spec=False`` (path drafts, the only
 //   kind the index asks for) run ``speculate_longest_first``: the same draft, fewer node visits;
 // - ``speculate_handle_ndarray`` is the incremental form (a handle per request; see
-//   suffix_tree.cc), with ``forget_handle``, ``num_handles`` and ``mutations``;
+//   suffix_tree.cc), with ``forget_handle``, ``num_handles``, ``mutations`` and ``walks``;
 // - ``speculate_reference_ndarray`` is arctic's own loop, kept for the tests that prove the two
 //   equal and for the benchmark that times both.
 //
@@ -85,6 +85,7 @@ PYBIND11_MODULE(_war_suffix_tree, m) {
         .def("forget_handle", &SuffixTree::forget_handle)
         .def("num_handles", &SuffixTree::num_handles)
         .def("mutations", &SuffixTree::mutations)
+        .def("walks", &SuffixTree::walks)
         .def("speculate_reference_ndarray",
              [](SuffixTree& t, const Int32Array1D& context, int k, float factor, float offset, float min_prob,
                 bool tree_spec) { return t.speculate(as_span(context), k, factor, offset, min_prob, tree_spec); })

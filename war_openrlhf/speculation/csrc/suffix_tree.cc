@@ -732,7 +732,7 @@ Draft SuffixTree::_speculate_longest_first(std::span<const int32_t> context,
             const Hint& hint = it->second;
             if (hint.saturated) {
                 guess = longest;  // it matched its whole window last time
-            } else if (static_cast<int>(hint.tail.size()) == hint.next_len + 1) {
+            } else {
                 int bound = _next_len_bound(hint, context);
                 if (hint.mutations == _mutations && bound < longest) {
                     hi = bound + 1;  // proven (fact 3): the tree has not changed
@@ -990,6 +990,7 @@ std::string SuffixTree::_check_node_integrity(Node* node) {
 
 std::pair<Node*, int> SuffixTree::_match_context(
         std::span<const int32_t> context) {
+    _walks++;  // war-openrlhf addition
     Node* node = _root.get();
     int idx = 0;
     const int32_t* ref_data = nullptr;

@@ -169,6 +169,9 @@ public:
     // Sequences appended to or removed so far (a handle's knowledge holds while it is unchanged).
     uint64_t mutations() const { return _mutations; }
 
+    // Walks from the root made by speculation so far (what the handles save; tests count it).
+    uint64_t walks() const { return _walks; }
+
     // Check the integrity of the suffix tree, return empty string if ok,
     // otherwise return an error message.
     std::string check_integrity();
@@ -198,11 +201,12 @@ private:
     struct Hint {
         uint64_t mutations = 0;        // the tree's mutations() when it was learned
         int next_len = 0;              // that call's Draft::next_len
-        std::vector<int32_t> tail;     // that call's last next_len + 1 context tokens
+        std::vector<int32_t> tail;     // that call's last next_len + 1 context tokens (unless saturated)
         bool saturated = false;        // next_len was the longest length searched: no bound
     };
     std::unordered_map<int64_t, Hint> _hints;
     uint64_t _mutations = 0;
+    uint64_t _walks = 0;
 
     int _next_len_bound(const Hint& hint, std::span<const int32_t> context) const;
 
