@@ -233,6 +233,29 @@ def test_returned_share_counts_placements_on_an_engine_that_served_the_prompt_be
         assert mod.returned_share(before, iter(placed)) == hits / len(placed)
 
 
+def test_drafting_fraction_counts_the_runs_own_steps():
+    """The switch counts from the engine's start; a run on an engine set shared by several
+    configurations reports its own steps only (a replaced switch counts from its start)."""
+    import importlib.util
+
+    from war_openrlhf.engine.stats import EngineStats
+
+    spec = importlib.util.spec_from_file_location("bench_rollout_frac", ROOT / "tools" / "bench_rollout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def stats(steps, spec_steps, switch=True):
+        sw = {"steps": steps, "spec_steps": spec_steps,
+              "spec_step_fraction": spec_steps / steps if steps else 0.0} if switch else None
+        return EngineStats.from_wire({"war": {"switch": sw} if switch else {}})
+
+    # 100 earlier steps all drafting (another configuration), then 50 steps of which 10 drafted
+    assert mod.run_spec_fraction(stats(100, 100), stats(150, 110)) == 0.2
+    assert mod.run_spec_fraction(stats(100, 100), stats(100, 100)) == 0.0  # forced off: no step fed
+    assert mod.run_spec_fraction(stats(100, 100), stats(40, 30)) == 0.75  # a fresh switch
+    assert mod.run_spec_fraction(stats(0, 0, False), stats(0, 0, False)) is None  # no switch
+
+
 def test_rollout_plot_speedups_are_openrlhfs_median_over_each_run(tmp_path):
     import importlib.util
 

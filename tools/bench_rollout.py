@@ -342,6 +342,20 @@ def resolve_model(arg: str, positions: int = 2048) -> Path:
     return p
 
 
+def run_spec_fraction(before, after):
+    """The share of an engine's steps between two stats snapshots in which its switch drafted (None:
+    no switch). The switch's own ``spec_step_fraction`` counts from the engine's start, so on an
+    engine set shared by several configurations it mixes their runs; a switch replaced in between
+    (fewer steps than before) counts from its start. No step fed to it: 0.0 (nothing drafted)."""
+    if after.spec_step_fraction is None:
+        return None
+    sa, sb = after.war.get("switch") or {}, before.war.get("switch") or {}
+    steps, spec = int(sa.get("steps", 0) or 0), int(sa.get("spec_steps", 0) or 0)
+    if steps >= int(sb.get("steps", 0) or 0):
+        steps, spec = steps - int(sb.get("steps", 0) or 0), spec - int(sb.get("spec_steps", 0) or 0)
+    return round(spec / steps, 3) if steps > 0 else 0.0
+
+
 def _percentile(values, q):
     if not values:
         return None
@@ -458,8 +472,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
         "preemptions": d["preemptions"],
         "tokens_per_verification_step": 1.0 + d["spec_accepted_tokens"] / drafts if drafts else None,
         "acceptance": d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] else None,
-        "speculating_fraction": [None if s.spec_step_fraction is None else round(s.spec_step_fraction, 3)
-                                 for s in res.engine_stats],
+        # this run's steps only: the switch counts from the engine's start, over every configuration
+        "speculating_fraction": [run_spec_fraction(b, a) for b, a in zip(before, res.engine_stats)],
         # each engine's switch at the end of the run: why it decided, its draft cut-off, its step curve
         "switch": [{k: (s.war.get("switch") or {}).get(k) for k in
                     ("decisions_by_reason", "min_token_prob", "draft_calibration", "accepted_per_request_step",
@@ -851,7 +865,7 @@ def main(argv=None):
               "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text,
               "history_steps": args.history_steps, "history_order": args.history_order if args.history_steps else None}
     def write(**extra):
-        out = {"benchmark": "rollout", "cuda": cuda,
+        out = {"benchmark": "rollout", "cuda": cuda, "speculating_fraction_scope": "run",
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,
                "model": str(model), "engines": args.engines, "same_engines": args.same_engines,
                "war_engines": args.war_engines,

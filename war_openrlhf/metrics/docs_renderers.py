@@ -1045,7 +1045,7 @@ def noroom_target(d: dict) -> str:
     ok = all(v >= 0.98 for v in ratios.values())
     listed = ", ".join(f"`{c}` {v:.2f}x" for c, v in ratios.items())
     drafting = _fraction_range(d["configs"]["war"])
-    drafting = f" `war`'s engines drafted in {drafting} of their steps." if drafting != "n/a" else ""
+    drafting = f" `war`'s engines drafted in {drafting} of their steps{_fraction_scope(d)}." if drafting != "n/a" else ""
     hosted = ""
     if "war_hosted" in d["configs"]:  # episodes beside their engine: the same test, not the default
         h = d["configs"]["war_hosted"]["step_s"]
@@ -1199,6 +1199,14 @@ def _fraction_range(config: dict) -> str:
     return f"{100 * min(fr):.0f}-{100 * max(fr):.0f}%" if fr else "n/a"
 
 
+def _fraction_scope(d: dict) -> str:
+    """What a file's drafting fractions count: the run's steps, or (files written before the
+    benchmark took differences) every step since the engines started, over every configuration
+    that shared them."""
+    return "" if d.get("speculating_fraction_scope") == "run" else \
+        " (counted since the engines started, over every configuration sharing them)"
+
+
 @renderer("spec_low_target")
 def spec_low_target(d: dict) -> str:
     """Low-load speculation targets: war >= 1.15x vLLM's suffix method and >= 1.6x openrlhf (equal work)."""
@@ -1222,11 +1230,12 @@ def spec_low_target(d: dict) -> str:
         on = c["war_spec_on"]
         parts.append(f"the load-aware switch: `war` {on['step_s'] / war:.2f}x `war_spec_on` (drafting forced on), "
                      f"drafting in {_fraction_range(c['war'])} of its engines' steps against "
-                     f"{_fraction_range(on)} forced on (steps with no draft found count as not drafting)")
+                     f"{_fraction_range(on)} forced on (steps with no draft found count as not drafting)"
+                     f"{_fraction_scope(d)}")
     fractions = [f for f in (c["war"].get("speculating_fraction") or []) if f is not None]
     if fractions and "war_spec_on" not in c:
         parts.append(f"`war`'s switches drafting in {100 * min(fractions):.0f}-{100 * max(fractions):.0f}% of "
-                     "their engines' steps")
+                     f"their engines' steps{_fraction_scope(d)}")
     ok = vs_suffix >= 1.15 and vs_base >= 1.6
     return "; ".join(parts) + f". Target (>= 1.15x vLLM's suffix and >= 1.6x openrlhf): {'met' if ok else 'missed'}.\n"
 
