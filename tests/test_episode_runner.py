@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from openrlhf.utils.agent import AgentInstanceBase
@@ -378,3 +379,38 @@ def test_reset_sees_the_sample_number_only_where_the_pool_gives_it():
     asyncio.run(_episode(FakeService(), Agent, _cfg()))
     assert seen == [{"observation": "Q: 2+3? ", "label": "5", "war_sample_index": 3},
                     {"observation": "Q: 2+3? ", "label": "5"}]
+
+
+def test_observations_encode_as_the_tokenizers_own_call_on_a_real_fast_tokenizer(tmp_path):
+    """The episode's observation encoding (the backend alone where that gives the same ids) against
+    ``tokenizer(text, add_special_tokens=False)`` on random text with special tokens, unicode and
+    whitespace, in each backend state: as loaded, with truncation and padding configured on the
+    backend, with special tokens split, and with the backend left splitting them the other way."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from war_openrlhf.fixtures.tiny_model import SPECIAL_TOKENS, build_tiny_model
+    from war_openrlhf.rollout.episode import _encode
+
+    model = build_tiny_model(Path(__file__).resolve().parents[1] / ".cache" / "war_tiny_llama")
+    rng = random.Random(3)
+    pieces = [*SPECIAL_TOKENS, " ", "  ", "\n", "\t", "ok", " the", "é", "数据", "🙂", "<tool>", "</", "{\"a\": 1}",
+              "0123", "x" * 40]
+
+    def texts(n):
+        for _ in range(n):
+            yield "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12)))
+
+    for split in (False, True):
+        tok = AutoTokenizer.from_pretrained(str(model), split_special_tokens=split)
+        ref = AutoTokenizer.from_pretrained(str(model), split_special_tokens=split)
+        for i, text in enumerate(texts(300)):
+            if i == 100:  # a backend left truncating and padding (a tokenizer.json may ship so)
+                tok._tokenizer.enable_truncation(max_length=3)
+                tok._tokenizer.enable_padding(length=64)
+            if i % 50 == 25:  # a call elsewhere left the backend splitting special tokens the other way
+                tok(text="x", split_special_tokens=not split)
+            assert _encode(tok, text) == list(ref(text=text, add_special_tokens=False)["input_ids"]), (split, text)
+        assert any(len(_encode(tok, t)) > 3 for t in texts(20))  # truncation never applied
+

@@ -26,8 +26,6 @@ import asyncio
 from dataclasses import fields
 from typing import Any, Sequence
 
-import numpy as np
-
 from .config import RolloutConfig
 from .deadline import within
 from .episode import run_episode
@@ -83,14 +81,15 @@ class _LocalTurns:
     async def generate_turn(self, trajectory_id: str, group_id: str, context: Sequence[int],
                             sampling_params: dict[str, Any], turn_index: int, tokens_so_far: int) -> TurnResult:
         engine = self.host.engine
-        ids = np.asarray(context, dtype=np.int32)
+        # the trajectory's own list, as the engine copies it (an int32 array in between cost two
+        # passes over the whole context per turn: ~40 us at 1.5k tokens, growing with the context)
         try:
-            answer = await within(engine.generate_tokens(ids, sampling_params, None, trajectory_id, group_id),
+            answer = await within(engine.generate_tokens(context, sampling_params, None, trajectory_id, group_id),
                                   self.cfg.turn_timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer to a turn within {self.cfg.turn_timeout_s:g} s") from None
         answer.pop("load_now", None)
-        return TurnResult.from_engine(answer, engine=engine.engine_index, prompt_tokens=len(ids))
+        return TurnResult.from_engine(answer, engine=engine.engine_index, prompt_tokens=len(context))
 
     def park(self, trajectory_id: str, engine: int) -> None:
         self.host.parked.add(trajectory_id)
