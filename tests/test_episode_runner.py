@@ -381,7 +381,7 @@ def test_reset_sees_the_sample_number_only_where_the_pool_gives_it():
                     {"observation": "Q: 2+3? ", "label": "5"}]
 
 
-def test_observations_encode_as_the_tokenizers_own_call_on_a_real_fast_tokenizer(tmp_path):
+def test_observations_encode_as_the_tokenizers_own_call_on_a_real_fast_tokenizer():
     """The episode's observation encoding (the backend alone where that gives the same ids) against
     ``tokenizer(text, add_special_tokens=False)`` on random text with special tokens, unicode and
     whitespace, in each backend state: as loaded, with truncation and padding configured on the
