@@ -238,6 +238,19 @@ def test_the_rollout_engine_tax_pairs_each_repeat_and_states_the_target():
     assert "met on the median repeat" in rollout_engine_tax(d)
 
 
+def test_drafting_fractions_are_labelled_by_what_they_count():
+    """Files whose fractions count each run's own steps say nothing more; older ones (counted
+    since the engines started, over every configuration sharing them) say so."""
+    from war_openrlhf.metrics.docs_renderers import noroom_target
+
+    d = {"configs": {"war": {"step_s": 10.0, "speculating_fraction": [0.2, 0.5]},
+                     "openrlhf": {"step_s": 12.0}}}
+    old = noroom_target(d)
+    assert "drafted in 20-50% of their steps (counted since the engines started" in old
+    d["speculating_fraction_scope"] = "run"
+    assert "drafted in 20-50% of their steps." in noroom_target(d)
+
+
 def test_the_price_ablation_pairs_each_repeat_and_names_the_fastest_router():
     from war_openrlhf.metrics.docs_renderers import rollout_price_ablation
 

@@ -414,3 +414,10 @@ def test_observations_encode_as_the_tokenizers_own_call_on_a_real_fast_tokenizer
             assert _encode(tok, text) == list(ref(text=text, add_special_tokens=False)["input_ids"]), (split, text)
         assert any(len(_encode(tok, t)) > 3 for t in texts(20))  # truncation never applied
 
+    class Wrapped(CharTokenizer):  # a tokenizer whose "backend" is something else: it is called
+        backend_tokenizer = tok
+        truncation = padding = None
+        encode_special_tokens = False
+
+    assert _encode(Wrapped(), "ab") == [97, 98]
+

@@ -53,6 +53,12 @@ class TurnService(Protocol):
     def unpark(self, trajectory_id: str) -> None: ...
 
 
+try:  # a fast tokenizer's backend (transformers depends on it); None: every tokenizer is called
+    from tokenizers import Tokenizer as _FastBackend
+except ImportError:  # pragma: no cover - transformers without its fast tokenizers
+    _FastBackend = None
+
+
 def tool_error_text(message: str) -> str:
     """The observation an episode sees when its tool failed (``on_tool_error: observe``)."""
     return f"\n<tool_error>{message}</tool_error>\n"
@@ -60,12 +66,14 @@ def tool_error_text(message: str) -> str:
 
 def _encode(tokenizer, text: str) -> list[int]:
     """``tokenizer(text, add_special_tokens=False)["input_ids"]`` (OpenRLHF's executor's call), every
-    turn's observation. A fast tokenizer's ``__call__`` costs about 25 us of Python around a 4 us
-    encode (argument checks, truncation and padding set-up, a ``BatchEncoding``): when its backend is
-    in the state that call would put it in (no truncation, no padding, special tokens as the tokenizer
-    splits them), the backend encodes alone, the same ids; otherwise the call itself."""
-    backend = getattr(tokenizer, "_tokenizer", None) if type(text) is str else None
-    if backend is not None and backend.truncation is None and backend.padding is None \
+    turn's observation. A fast tokenizer's call wraps the encode in argument checks, truncation and
+    padding set-up and a ``BatchEncoding``, and encodes through the backend's batch encoder, which
+    releases the interpreter lock (in the pool's driver, beside agent and Ray threads, each call then
+    waits to take it back). When the backend (a ``tokenizers.Tokenizer``) is in the state that call
+    would put it in (no truncation, no padding, special tokens split as the tokenizer splits them),
+    its single encode gives the same ids; otherwise the call itself runs."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if type(text) is str else None
+    if type(backend) is _FastBackend and backend.truncation is None and backend.padding is None \
             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)):
         return backend.encode(text, add_special_tokens=False).ids
     return list(tokenizer(text=text, add_special_tokens=False)["input_ids"])
