@@ -94,6 +94,24 @@ def test_runs_after_earlier_steps_on_the_same_prompts_are_a_regime_of_their_own(
     assert "earlier step" not in plain_text
 
 
+def test_runs_of_a_pool_past_its_first_step_are_a_regime_of_their_own():
+    from war_openrlhf.metrics.docs_renderers import rollout_regime
+
+    first = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, pressure=4.0)
+    warm = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, pressure=4.0)
+    warm["regime"] = {**warm["regime"], "warm_steps": 1, "warm_split": "tuning"}
+    rows = _rows(real_engine_standing(first, warm))
+    assert len(rows) == 2  # not one regime's two runs
+    assert any("KV pressure 4.0, after 1 step on the tuning half's tasks" in r and "| 3.00 |" in r for r in rows)
+    assert any("after" not in r and "| 2.00 |" in r for r in rows)
+    d = {**warm, "episodes": 16, "engines": 2, "regime": {**warm["regime"], "tool_latency": "instant"},
+         "machine": {}}
+    text = rollout_regime(d)
+    assert "the timed step after 1 untimed step on the tuning half's tasks by the same pool" in text
+    assert "same prompts" not in text
+    assert "untimed" not in rollout_regime({**d, "regime": {**d["regime"], "warm_steps": 0, "warm_split": None}})
+
+
 def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before():
     from war_openrlhf.metrics.docs_renderers import rollout_history
 

@@ -210,6 +210,12 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
         "--war-engines", "none", "--configs", "war_sched_only,war_plain_engines")
     assert "--configs: war_no_history needs --history-steps >= 1" in refused("--configs", "war,war_no_history")
     assert "--history-steps: must be >= 0, got -1" in refused("--history-steps", "-1")
+    assert "--warm-steps: must be >= 0, got -1" in refused("--warm-steps", "-1")
+    assert "--warm-steps: the warm steps run the other half's tasks" in refused(
+        "--workload", "task:sql_qa", "--warm-steps", "1")
+    assert "--split all" in refused("--workload", "traces:x.json", "--split", "all", "--warm-steps", "1")
+    assert "--warm-steps and --history-steps: choose one" in refused(
+        "--workload", "traces:x.json", "--split", "validation", "--warm-steps", "1", "--history-steps", "1")
     assert not (tmp_path / "o.json").exists()
 
 

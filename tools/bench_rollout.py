@@ -28,6 +28,15 @@ index on every engine, vLLM's suffix cache on the engine that generated them) is
 from, as in a later epoch. ``returned_share`` in each run: the share of the timed step's turns
 (OpenRLHF: prompts) on an engine that served the same prompt before.
 
+A pool past its first step (``--warm-steps K``, trace workloads run on a half): every run first
+makes K untimed steps on the *other* half's tasks, with the same weight-sync reset after each,
+then the timed step on its own half. A training job's pool has run earlier steps on other
+prompts, and the ``war`` dispatcher prices turns and admits trajectories from what it measured
+there (turn counts, context growth per turn, tool gaps, the engines' rates); a fresh pool per
+run measures only its first step, where admission has no survival curve to project a
+trajectory's footprint with. Every configuration makes the same warm steps (OpenRLHF's path on
+its own engines, vLLM's suffix cache keeping what it drafted from them, as WAR's index does).
+
 Configurations (``--configs``):
 
 * ``openrlhf``: OpenRLHF's path (:mod:`war_openrlhf.baselines.openrlhf_rollout`): its
@@ -662,6 +671,9 @@ def main(argv=None):
     ap.add_argument("--history-order", choices=("reversed", "same"), default="reversed",
                     help="the earlier steps' prompt order: reversed (under OpenRLHF's placement a prompt comes back "
                          "to another engine, as it mostly does on a cluster of many engines) or the same")
+    ap.add_argument("--warm-steps", type=int, default=0,
+                    help="trace workloads run on a half: untimed steps every run makes first on the other half's tasks "
+                         "(each followed by what a weight sync does): a pool past its first step, as in training")
     ap.add_argument("--same-engines", action="store_true",
                     help="run the openrlhf baseline on the WAR engines (speculation off, OpenRLHF's dispatch and "
                          "agent executor inside the engine actor) instead of starting OpenRLHF's own engine "
@@ -679,6 +691,13 @@ def main(argv=None):
         raise SystemExit("--engines and --repeats must be >= 1")
     if args.history_steps < 0:
         raise SystemExit(f"--history-steps: must be >= 0, got {args.history_steps}")
+    if args.warm_steps < 0:
+        raise SystemExit(f"--warm-steps: must be >= 0, got {args.warm_steps}")
+    if args.warm_steps and (not args.workload.startswith("traces:") or args.split not in _OTHER_HALF):
+        raise SystemExit("--warm-steps: the warm steps run the other half's tasks; use a traces: workload with "
+                         f"--split one of {', '.join(_OTHER_HALF)} (got {args.workload!r}, --split {args.split})")
+    if args.warm_steps and args.history_steps:
+        raise SystemExit("--warm-steps and --history-steps: choose one (earlier steps on other tasks, or on the same)")
     if not args.history_steps and any(c in NO_HISTORY_CONFIGS for c in configs):
         raise SystemExit(f"--configs: {', '.join(NO_HISTORY_CONFIGS)} needs --history-steps >= 1 (nothing to forget)")
     if args.pressure is not None and not args.pressure > 0:
@@ -725,11 +744,19 @@ def main(argv=None):
             seed_priorities(args.workload, args.split, args.seed)
         trials = {len(json.loads(r["label"])["trials"]) for r in rows}
         n = min(trials)  # a GRPO group = the trials of one task
+        warm_rows = []
+        if args.warm_steps:  # the other half's tasks, drawn alike
+            warm_rows, _ = load_traces(args.workload, _OTHER_HALF[args.split], args.max_groups, args.seed,
+                                       args.tool_latency, args.tool_jitter, args.per_env_token)
+            short = [json.loads(r["label"])["task"] for r in warm_rows if len(json.loads(r["label"])["trials"]) < n]
+            if short:
+                raise SystemExit(f"--warm-steps: the {_OTHER_HALF[args.split]} half's tasks {', '.join(short)} have "
+                                 f"fewer than {n} trials (the timed half's GRPO group size)")
         model = resolve_model(args.model or "peaked", positions=32768)
         tokenizer = AutoTokenizer.from_pretrained(str(model))
         longest = max(len(tokenizer.encode(r["prompt"])) + sum(t["lengths"]) +
                       sum(len(tokenizer.encode(o)) for o in t["observations"])
-                      for r in rows for t in json.loads(r["label"])["trials"])
+                      for r in rows + warm_rows for t in json.loads(r["label"])["trials"])
         args.max_len = args.max_len or -(-(longest + 64) // 1024) * 1024
         check_kv_holds_an_episode(args)
         tool_text = (f"recorded steps, {args.tool_latency:g} s median x lognormal({args.tool_jitter:g})"
@@ -755,6 +782,8 @@ def main(argv=None):
         tool_text = (f"the task's own tools, one free-sampled run replayed ({equal_work['episodes']} episodes, "
                      f"{equal_work['turns']} turns, {equal_work['forced_tokens']:,} forced tokens, tool times as recorded)")
     history = None
+    if args.warm_steps:  # earlier steps on other tasks: the history mechanism with the other half's prompts
+        history = ([r["prompt"] for r in warm_rows], [r["label"] for r in warm_rows], args.warm_steps)
     if args.history_steps:
         order = range(len(prompts) - 1, -1, -1) if args.history_order == "reversed" else range(len(prompts))
         history = ([prompts[i] for i in order], [labels[i] for i in order], args.history_steps)
@@ -863,7 +892,8 @@ def main(argv=None):
     regime = {"load": "low" if episodes_per_engine <= 4 else "high",  # low: <= 4 concurrent episodes/engine
               "episodes_per_engine": episodes_per_engine,
               "kv_tokens_per_engine": kv_tokens, "pressure": pressure, "tool_latency": tool_text,
-              "history_steps": args.history_steps, "history_order": args.history_order if args.history_steps else None}
+              "history_steps": args.history_steps, "history_order": args.history_order if args.history_steps else None,
+              "warm_steps": args.warm_steps, "warm_split": _OTHER_HALF[args.split] if args.warm_steps else None}
     def write(**extra):
         out = {"benchmark": "rollout", "cuda": cuda, "speculating_fraction_scope": "run",
                "workload": args.workload, "split": args.split if args.workload.startswith("traces:") else None,

@@ -991,7 +991,13 @@ def rollout_regime(d: dict) -> str:
 
 
 def _history_text(regime: dict) -> str:
-    """The earlier steps on the same prompts a file's runs made before the timed one, if any."""
+    """The earlier steps a file's runs made before the timed one, if any: on the same prompts
+    (``history_steps``), or on the other half's tasks (``warm_steps``: a pool past its first step)."""
+    w = regime.get("warm_steps") or 0
+    if w:
+        return (f"; the timed step after {w} untimed step{'s' if w > 1 else ''} on the {regime['warm_split']} "
+                f"half's tasks by the same pool and engines (a pool past its first step; prefix caches reset "
+                f"between steps, as a weight sync does)")
     k = regime.get("history_steps") or 0
     if not k:
         return ""
@@ -1658,6 +1664,9 @@ def _rollout_regime_key(d: dict) -> tuple:
     k = d["regime"].get("history_steps") or 0
     if k:  # prompts that came back: a regime of its own
         kv += f", after {k} step{'s' if k > 1 else ''} on the same prompts ({d['regime']['history_order']} order)"
+    w = d["regime"].get("warm_steps") or 0
+    if w:  # a pool past its first step: a regime of its own
+        kv += f", after {w} step{'s' if w > 1 else ''} on the {d['regime']['warm_split']} half's tasks"
     return name, data, d["regime"]["load"], d["regime"]["episodes_per_engine"], kv
 
 
