@@ -238,6 +238,24 @@ def test_the_rollout_engine_tax_pairs_each_repeat_and_states_the_target():
     assert "met on the median repeat" in rollout_engine_tax(d)
 
 
+def test_the_admission_table_pools_each_configurations_turns_and_leaves_out_the_baselines():
+    from war_openrlhf.metrics.docs_renderers import rollout_admission
+
+    def est(turns, over, over_tokens, cached):
+        return {"turns": turns, "over": over, "over_tokens": over_tokens, "cached_tokens": cached}
+
+    d = {"runs": {"openrlhf": [{"step_s": 1.0}, {"step_s": 1.0}],
+                  "war": [{"deferrals": 0, "cache_estimate": est(100, 0.5, 300, 1000)},
+                          {"deferrals": 3, "cache_estimate": est(300, 0.1, 100, 3000)}]}}
+    text = rollout_admission(d)
+    row = next(x for x in text.splitlines() if x.startswith("| `war`"))
+    # turns pooled: (50 + 30) / 400; tokens pooled: 400 / 4000
+    assert row == "| `war` | 0, 3 | 0.20 | 0.10 |"
+    assert "`openrlhf`" not in text
+    with pytest.raises(ValueError, match="no run of a WAR-pool configuration"):
+        rollout_admission({"runs": {"openrlhf": [{"step_s": 1.0}]}})
+
+
 def test_drafting_fractions_are_labelled_by_what_they_count():
     """Files whose fractions count each run's own steps say nothing more; older ones (counted
     since the engines started, over every configuration sharing them) say so."""

@@ -1272,6 +1272,29 @@ def rollout_tail(d: dict) -> str:
                     ["l", "r", "l", "r"], rows)
 
 
+@renderer("rollout_admission")
+def rollout_admission(d: dict) -> str:
+    """What the WAR pool's admission and cache model did in each run: first turns deferred, and
+    the dispatcher's estimate of each turn's cached prefix against the engine's report (runs
+    pooled). Configurations without a WAR dispatcher record neither and are left out."""
+    rows = []
+    for c, runs in d["runs"].items():
+        ests = [r["cache_estimate"] for r in runs if r.get("cache_estimate")]
+        deferrals = [r.get("deferrals") for r in runs]
+        if not ests and all(x is None for x in deferrals):
+            continue
+        turns = sum(e["turns"] for e in ests)
+        over = sum(e["over"] * e["turns"] for e in ests) / turns if turns else None
+        cached = sum(e["cached_tokens"] for e in ests)
+        over_tokens = sum(e["over_tokens"] for e in ests) / cached if cached else None
+        rows.append([f"`{c}`", ", ".join("-" if x is None else str(x) for x in deferrals), num(over, ".2f"),
+                     num(over_tokens, ".2f")])
+    if not rows:
+        raise ValueError(f"{d.get('command', 'this file')}: no run of a WAR-pool configuration")
+    return md_table(["config", "first turns deferred, per repeat", "turns whose cached prefix was over-estimated",
+                     "over-estimated tokens / cached token"], ["l", "l", "r", "r"], rows)
+
+
 @renderer("longest_first_target")
 def longest_first_target(d: dict) -> str:
     """The straggler targets on this file: war (and war_longest_first) against the best other
