@@ -413,6 +413,19 @@ def test_admission_defers_only_past_the_margin():
             make_policy("war", 2, defer_margin=bad)
 
 
+def test_the_fluid_models_answer_belongs_to_its_batch():
+    """``last_fluid`` is what the model said in this batch: a new batch clears it until asked again,
+    and asking again gives the same estimates from the same measurements."""
+    pol, _ = _trained_policy(gap_s=0.01, defer_margin=0.0, **LONG)
+    assert pol.deferral_pays() is True
+    said = dict(pol.last_fluid)
+    assert said["defer_s"] < said["admit_s"]
+    pol.start_batch()
+    assert pol.last_fluid == {}
+    pol.deferral_pays()
+    assert set(pol.last_fluid) == set(said) and pol.last_fluid["K"] == said["K"]
+
+
 def test_admission_admits_past_the_kv_when_tool_calls_dominate():
     """With 30-second tool calls a round is the tool call: the engine idles through the
     recomputation, while a deferred trajectory would wait whole rounds."""

@@ -489,6 +489,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
                      "drafted_per_request_step", "step_curve")} for s in res.engine_stats],
         "kv_usage_peak": [round(e.peak_kv_usage, 3) for e in pool.engines],
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
+        # the war dispatcher's fluid model of this step (admit all vs waves of K), when admission asked it
+        "admission_fluid": dict(getattr(pool.router.policy, "last_fluid", None) or {}) or None,
         # how many engines each GRPO group's samples started on (siblings run to similar lengths)
         **group_engines(res.trajectories, len(handles)),
         "mean_reward": res.summary()["mean_reward"],

@@ -884,6 +884,7 @@ class WarDispatchPolicy(DispatchPolicy):
             self._started_prev = self._started_batch
         self._started_batch = 0
         self._defer_cache = None
+        self.last_fluid = {}  # this batch's answer, once asked
 
     def on_prefix_cache_reset(self) -> None:
         """Weight sync: the engines' caches are empty; the measurements stay."""

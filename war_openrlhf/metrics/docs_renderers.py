@@ -1291,7 +1291,8 @@ def rollout_admission(d: dict) -> str:
                      num(over_tokens, ".2f")])
     if not rows:
         raise ValueError(f"{d.get('command', 'this file')}: no run of a WAR-pool configuration")
-    return md_table(["config", "first turns deferred, per repeat", "turns whose cached prefix was over-estimated",
+    return md_table(["config", "first turns held back, per repeat (each re-offer held back counts)",
+                     "turns whose cached prefix was over-estimated",
                      "over-estimated tokens / cached token"], ["l", "l", "r", "r"], rows)
 
 
