@@ -76,40 +76,37 @@ def test_a_held_out_task_draw_is_accepted():
     assert "| task:sql_qa, seed 3 |" in text and "| 2.00 |" in text
 
 
-def test_runs_after_earlier_steps_on_the_same_prompts_are_a_regime_of_their_own():
+EARLIER_STEPS = [
+    # (run keywords, regime keys of the earlier steps, standing row text, regime text, keys switched off)
+    (dict(split=None, seed=3, workload="task:sql_qa"), {"history_steps": 1, "history_order": "reversed"},
+     "after 1 step on the same prompts (reversed order)",
+     "the timed step after 1 earlier step on the same prompts (in reverse order",
+     {"history_steps": 0, "history_order": None}),
+    (dict(pressure=4.0), {"warm_steps": 1, "warm_split": "tuning"},  # a pool past its first step
+     "KV pressure 4.0, after 1 step on the tuning half's tasks",
+     "the timed step after 1 untimed step on the tuning half's tasks by the same pool",
+     {"warm_steps": 0, "warm_split": None}),
+]
+
+
+@pytest.mark.parametrize("run_kw, steps, row_text, regime_text, off", EARLIER_STEPS)
+def test_runs_after_earlier_steps_are_a_regime_of_their_own(run_kw, steps, row_text, regime_text, off):
     from war_openrlhf.metrics.docs_renderers import rollout_regime
 
-    plain = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3, workload="task:sql_qa")
-    again = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, split=None, seed=3, workload="task:sql_qa")
-    again["regime"] = {**again["regime"], "history_steps": 1, "history_order": "reversed"}
+    plain = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, **run_kw)
+    again = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, **run_kw)
+    again["regime"] = {**again["regime"], **steps}
     rows = _rows(real_engine_standing(plain, again))
     assert len(rows) == 2  # not one regime's two runs
-    assert any("after 1 step on the same prompts (reversed order)" in r and "| 3.00 |" in r for r in rows)
+    assert any(row_text in r and "| 3.00 |" in r for r in rows)
     assert any("after" not in r and "| 2.00 |" in r for r in rows)
     d = {**again, "episodes": 8, "engines": 2, "regime": {**again["regime"], "tool_latency": "instant"},
          "machine": {}}
     text = rollout_regime(d)
-    assert "the timed step after 1 earlier step on the same prompts (in reverse order" in text
-    plain_text = rollout_regime({**d, "regime": {**d["regime"], "history_steps": 0, "history_order": None}})
-    assert "earlier step" not in plain_text
-
-
-def test_runs_of_a_pool_past_its_first_step_are_a_regime_of_their_own():
-    from war_openrlhf.metrics.docs_renderers import rollout_regime
-
-    first = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, pressure=4.0)
-    warm = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, pressure=4.0)
-    warm["regime"] = {**warm["regime"], "warm_steps": 1, "warm_split": "tuning"}
-    rows = _rows(real_engine_standing(first, warm))
-    assert len(rows) == 2  # not one regime's two runs
-    assert any("KV pressure 4.0, after 1 step on the tuning half's tasks" in r and "| 3.00 |" in r for r in rows)
-    assert any("after" not in r and "| 2.00 |" in r for r in rows)
-    d = {**warm, "episodes": 16, "engines": 2, "regime": {**warm["regime"], "tool_latency": "instant"},
-         "machine": {}}
-    text = rollout_regime(d)
-    assert "the timed step after 1 untimed step on the tuning half's tasks by the same pool" in text
-    assert "same prompts" not in text
-    assert "untimed" not in rollout_regime({**d, "regime": {**d["regime"], "warm_steps": 0, "warm_split": None}})
+    assert regime_text in text
+    assert "step" not in rollout_regime({**d, "regime": {**d["regime"], **off}}).split("tools instant")[1]
+    other = EARLIER_STEPS[1 - EARLIER_STEPS.index(next(c for c in EARLIER_STEPS if c[1] == steps))]
+    assert other[3] not in text  # the other kind of earlier steps is not claimed
 
 
 def test_history_block_compares_per_repeat_and_says_where_each_path_ran_before():
