@@ -234,3 +234,21 @@ def test_longest_first_is_simulated_on_priority_engines_with_the_runs_predictor(
     from resimulate_rollout import unmodelled_configs
 
     assert "war_longest_first" not in unmodelled_configs({"configs": summary})
+
+
+def test_a_run_written_elsewhere_finds_its_model_in_this_checkout(tmp_path, monkeypatch):
+    """A result file records the model directory of the checkout that ran it; re-simulating it
+    here takes the same model under this checkout's .cache, and names the field when absent."""
+    import resimulate_rollout as rs
+
+    monkeypatch.setattr(rs, "ROOT", tmp_path)
+    here = tmp_path / ".cache" / "war_tiny_llama_peaked_32768"
+    elsewhere = tmp_path / "gone" / ".cache" / "war_tiny_llama_peaked_32768"
+    with pytest.raises(ValueError, match="model: .*is not there"):
+        rs.run_model_dir({"model": str(elsewhere)})
+    here.mkdir(parents=True)
+    (here / "config.json").write_text("{}")
+    assert rs.run_model_dir({"model": str(elsewhere)}) == here
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text("{}")
+    assert rs.run_model_dir({"model": str(elsewhere)}) == elsewhere  # the recorded path first

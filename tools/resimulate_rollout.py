@@ -19,6 +19,18 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 
+def run_model_dir(d: dict) -> Path:
+    """The run's model directory (its tokenizer cuts the replayed turns): the path the file records,
+    else the same local model under this checkout's ``.cache`` (a run written from another
+    checkout or a removed worktree); a ValueError names the field when neither exists."""
+    recorded = Path(d["model"])
+    for path in (recorded, ROOT / ".cache" / recorded.name):
+        if (path / "config.json").is_file():
+            return path
+    raise ValueError(f"model: {d['model']!r} (the run's model directory) is not there, nor "
+                     f"{ROOT / '.cache' / recorded.name}; build it as the run did (bench_rollout --model)")
+
+
 def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
                plain_cost_model: str | None = None, suffix_cost_model: str | None = None) -> dict:
     """The simulator's step and gain over ``openrlhf`` for every configuration of a finished
@@ -52,7 +64,7 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
         seed = ta["seed"]
         if any(name in br.PRIORITY_CONFIGS for name in d["configs"]):  # the predictor, fitted as the run's was
             br.seed_priorities(workload, d["split"], seed)
-    tok = AutoTokenizer.from_pretrained(d["model"])
+    tok = AutoTokenizer.from_pretrained(str(run_model_dir(d)))
     modelled = {name: v for name, v in d["configs"].items() if name in br.SIM_POLICIES}
     return br.simulate_configs(br.replay_trajectories(rows, tok, d["n_samples"], seed),
                                cost_model, d["engines"], d["kv_tokens_per_engine"], modelled, plain_cost_model,
