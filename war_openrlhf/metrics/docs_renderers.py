@@ -1274,9 +1274,10 @@ def rollout_tail(d: dict) -> str:
 
 @renderer("rollout_admission")
 def rollout_admission(d: dict) -> str:
-    """What the WAR pool's admission and cache model did in each run: first turns held back (each re-offer counts), and
-    the dispatcher's estimate of each turn's cached prefix against the engine's report (runs
-    pooled). Configurations without a WAR dispatcher record neither and are left out."""
+    """What the WAR pool's admission and cache model did in each run: first turns held back (each
+    re-offer counts), and the dispatcher's estimate of each turn's cached prefix against the
+    engine's report (runs pooled). Configurations without a WAR dispatcher record neither and are
+    left out."""
     rows = []
     for c, runs in d["runs"].items():
         ests = [r["cache_estimate"] for r in runs if r.get("cache_estimate")]
