@@ -491,6 +491,8 @@ def run_war(handles, cfg_kwargs, name, prompts, labels, n, tokenizer, agent_cls,
         "engine_turns": res.engine_turns, "deferrals": res.deferrals, "end_reasons": res.end_reasons,
         # the war dispatcher's fluid model of this step (admit all vs waves of K), when admission asked it
         "admission_fluid": dict(getattr(pool.router.policy, "last_fluid", None) or {}) or None,
+        # ... and how many first turns found every engine's KV budget full (the model is asked then)
+        "admission_full_offers": getattr(pool.router.policy, "full_offers", None),
         # how many engines each GRPO group's samples started on (siblings run to similar lengths)
         **group_engines(res.trajectories, len(handles)),
         "mean_reward": res.summary()["mean_reward"],

@@ -270,6 +270,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self._unpriced: tuple = ((), None, ())  # engines the last decision did not price
         self.moves = 0
         self.deferrals = 0
+        self.full_offers = 0    # this batch's first turns that every engine's budget refused
         self.last_fluid: dict = {}
         # live trajectories and the admission limit
         self._live: Dict[str, _Live] = {}
@@ -384,7 +385,8 @@ class WarDispatchPolicy(DispatchPolicy):
         budget = float(np.mean([self.budget(e) for e in range(self.num_engines)
                                 if self.capacity_tokens[e] < _UNSET_CAPACITY]))
         K = max(1.0, math.floor(budget / max(float((surv[j] * x).max()), 1.0)))
-        if K >= N:
+        if K >= N:  # the budget holds a whole step's trajectories: nothing to wait for
+            self.last_fluid = {"K": K, "N": N, "defers": False}
             self._defer_cache = False
             return False
         live = N * surv[j]
@@ -396,8 +398,9 @@ class WarDispatchPolicy(DispatchPolicy):
         dec_k = r * (s0 + s1 * K)
         rnd = max(gap + dec_k + p * g * K / 2, K * p * g + dec_k)
         defer_s = (N * t_mean / K + max(T - t_mean, 0.0)) * rnd
-        self.last_fluid = {"admit_s": admit_s, "defer_s": defer_s, "K": K, "N": N}
         self._defer_cache = defer_s < admit_s * (1.0 - self.defer_margin)
+        self.last_fluid = {"admit_s": admit_s, "defer_s": defer_s, "K": K, "N": N,
+                           "defers": self._defer_cache}
         return self._defer_cache
 
     def _curve(self, ks, owns):
@@ -532,9 +535,11 @@ class WarDispatchPolicy(DispatchPolicy):
             if self.overflow(best, k, size - cached.get(best, 0)) > 0:  # it could change the choice
                 scores = self.last_scores  # every engine priced, in the engines' order
                 over_all, best = self._charge_evictions(scores, healthy, cur, k, size, p, cached)
-                if over_all and is_new and self.deferral_pays():
-                    self.deferrals += 1
-                    return DEFER
+                if over_all and is_new:
+                    self.full_offers += 1
+                    if self.deferral_pays():
+                        self.deferrals += 1
+                        return DEFER
         chosen = self._pick(scores, healthy, cur, best)
         if is_new:
             self._start_trajectory(tid, traj, chosen, n, cached.get(chosen, 0), request.arrival_s)
@@ -885,6 +890,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self._started_batch = 0
         self._defer_cache = None
         self.last_fluid = {}  # this batch's answer, once asked
+        self.full_offers = 0
 
     def on_prefix_cache_reset(self) -> None:
         """Weight sync: the engines' caches are empty; the measurements stay."""
