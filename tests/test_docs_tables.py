@@ -250,8 +250,18 @@ def test_the_admission_table_pools_each_configurations_turns_and_leaves_out_the_
     text = rollout_admission(d)
     row = next(x for x in text.splitlines() if x.startswith("| `war`"))
     # turns pooled: (50 + 30) / 400; tokens pooled: 400 / 4000
-    assert row == "| `war` | 0, 3 | 0.20 | 0.10 |"
+    assert row == "| `war` | 0, 3 | -, - | 0.20 | 0.10 |"
     assert "`openrlhf`" not in text
+    # which gate each run met: never full, the fluid model's answer either way, K >= N
+    gates = [{"admission_full_offers": 0, "admission_fluid": None},
+             {"admission_full_offers": 7, "admission_fluid": {"admit_s": 60.4, "defer_s": 40.2, "K": 5,
+                                                               "N": 8.0, "defers": True}},
+             {"admission_full_offers": 7, "admission_fluid": {"admit_s": 40.0, "defer_s": 45.0, "K": 5,
+                                                               "N": 8.0, "defers": False}},
+             {"admission_full_offers": 2, "admission_fluid": {"K": 9, "N": 8.0, "defers": False}}]
+    d["runs"]["war"] = [dict(g, deferrals=0, cache_estimate=est(10, 0.0, 0, 10)) for g in gates]
+    row = next(x for x in rollout_admission(d).splitlines() if x.startswith("| `war`"))
+    assert "| never full, waves 40/60 s, all 45/40 s, K >= N |" in row
     with pytest.raises(ValueError, match="no run of a WAR-pool configuration"):
         rollout_admission({"runs": {"openrlhf": [{"step_s": 1.0}]}})
 

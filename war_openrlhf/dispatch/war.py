@@ -400,7 +400,13 @@ class WarDispatchPolicy(DispatchPolicy):
         defer_s = (N * t_mean / K + max(T - t_mean, 0.0)) * rnd
         self._defer_cache = defer_s < admit_s * (1.0 - self.defer_margin)
         self.last_fluid = {"admit_s": admit_s, "defer_s": defer_s, "K": K, "N": N,
-                           "defers": self._defer_cache}
+                           "defers": self._defer_cache,
+                           # what it was computed from, to check it against the step it priced
+                           "inputs": {"prefill_s_per_token": p, "step_s": s0, "step_s_per_seq": s1,
+                                      "mean_response": r, "growth_per_turn": g, "own_prompt": x0,
+                                      "shared_prompt": shared, "kv_tokens": C, "budget": budget,
+                                      "max_turns": T, "mean_turns": t_mean, "tool_gap_s": gap,
+                                      "miss_rounds": int(miss.sum())}}
         return self._defer_cache
 
     def _curve(self, ks, owns):

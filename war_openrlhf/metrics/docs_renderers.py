@@ -1288,13 +1288,31 @@ def rollout_admission(d: dict) -> str:
         over = sum(e["over"] * e["turns"] for e in ests) / turns if turns else None
         cached = sum(e["cached_tokens"] for e in ests)
         over_tokens = sum(e["over_tokens"] for e in ests) / cached if cached else None
-        rows.append([f"`{c}`", ", ".join("-" if x is None else str(x) for x in deferrals), num(over, ".2f"),
-                     num(over_tokens, ".2f")])
+        rows.append([f"`{c}`", ", ".join("-" if x is None else str(x) for x in deferrals),
+                     ", ".join(_admission_gate(r) for r in runs), num(over, ".2f"), num(over_tokens, ".2f")])
     if not rows:
         raise ValueError(f"{d.get('command', 'this file')}: no run of a WAR-pool configuration")
     return md_table(["config", "first turns held back, per repeat (each re-offer held back counts)",
-                     "turns whose cached prefix was over-estimated",
-                     "over-estimated tokens / cached token"], ["l", "l", "r", "r"], rows)
+                     "admission's gates, per repeat", "turns whose cached prefix was over-estimated",
+                     "over-estimated tokens / cached token"], ["l", "l", "l", "r", "r"], rows)
+
+
+def _admission_gate(run: dict) -> str:
+    """Which of admission's two gates a run's first turns met: ``never full`` (no engine's KV
+    budget refused a first turn), else the fluid model's answer: ``waves a/b s`` (deferring
+    estimated a s against b s admitting all: it deferred), ``all a/b s`` (it admitted), ``K >= N``
+    (the budget holds the step's trajectories per engine). ``-``: a dispatcher without
+    admission, or a file from before these were recorded."""
+    full, fluid = run.get("admission_full_offers"), run.get("admission_fluid")
+    if full is None:
+        return "-"
+    if not full:
+        return "never full"
+    if not fluid:
+        return "not asked"
+    if "admit_s" not in fluid:
+        return "K >= N"
+    return f"{'waves' if fluid['defers'] else 'all'} {fluid['defer_s']:.0f}/{fluid['admit_s']:.0f} s"
 
 
 @renderer("longest_first_target")
