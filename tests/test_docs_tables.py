@@ -260,8 +260,10 @@ def test_the_admission_table_pools_each_configurations_turns_and_leaves_out_the_
                                                                "N": 8.0, "defers": False}},
              {"admission_full_offers": 2, "admission_fluid": {"K": 9, "N": 8.0, "defers": False}}]
     d["runs"]["war"] = [dict(g, deferrals=0, cache_estimate=est(10, 0.0, 0, 10)) for g in gates]
+    d["runs"]["war"][2]["step_s"] = 51.6
     row = next(x for x in rollout_admission(d).splitlines() if x.startswith("| `war`"))
-    assert "| never full, waves 40/60 s, all 45/40 s, K >= N |" in row
+    assert ("| never full, waves, K 5 of 8 (estimated: waves 40 s, all 60 s), all, K 5 of 8 (estimated: "
+            "waves 45 s, all 40 s; step 52 s), K >= N |") in row
     with pytest.raises(ValueError, match="no run of a WAR-pool configuration"):
         rollout_admission({"runs": {"openrlhf": [{"step_s": 1.0}]}})
 

@@ -1299,8 +1299,8 @@ def rollout_admission(d: dict) -> str:
 
 def _admission_gate(run: dict) -> str:
     """Which of admission's two gates a run's first turns met: ``never full`` (no engine's KV
-    budget refused a first turn), else the fluid model's answer: ``waves a/b s`` (deferring
-    estimated a s against b s admitting all: it deferred), ``all a/b s`` (it admitted), ``K >= N``
+    budget refused a first turn), else the fluid model's answer, ``waves`` (it deferred) or ``all``
+    (it admitted), with its two estimates of the step and the step the run measured, ``K >= N``
     (the budget holds the step's trajectories per engine). ``-``: a dispatcher without
     admission, or a file from before these were recorded."""
     full, fluid = run.get("admission_full_offers"), run.get("admission_fluid")
@@ -1312,7 +1312,10 @@ def _admission_gate(run: dict) -> str:
         return "not asked"
     if "admit_s" not in fluid:
         return "K >= N"
-    return f"{'waves' if fluid['defers'] else 'all'} {fluid['defer_s']:.0f}/{fluid['admit_s']:.0f} s"
+    step = f"; step {run['step_s']:.0f} s" if run.get("step_s") is not None else ""
+    return (f"{'waves' if fluid['defers'] else 'all'}, K {fluid['K']:.0f} of {fluid['N']:.0f} "
+            f"(estimated: waves {fluid['defer_s']:.0f} s, "
+            f"all {fluid['admit_s']:.0f} s{step})")
 
 
 @renderer("longest_first_target")
