@@ -70,6 +70,24 @@ def test_the_suffix_engine_reading_pairs_each_repeat_with_its_neighbours():
     assert "`openrlhf`" not in rollout_suffix_engines(d)  # a comparison not run is not written
 
 
+def test_runs_on_other_tasks_of_a_half_are_a_regime_of_their_own():
+    """``--skip-groups``: the half's later tasks are other work, named in the row and the regime."""
+    from war_openrlhf.metrics.docs_renderers import rollout_regime
+
+    first = _run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, pressure=4.0)
+    later = _run("2026-01-02T00:00:00", {"openrlhf": 3.0, "war": 1.0}, pressure=4.0)
+    later["trace_args"]["skip_groups"] = 4
+    rows = _rows(real_engine_standing(first, later))
+    assert len(rows) == 2
+    assert any("validation half, its tasks after the first 4" in r and "| 3.00 |" in r for r in rows)
+    assert any("after the first" not in r and "| 2.00 |" in r for r in rows)
+    d = {**later, "episodes": 8, "engines": 2, "regime": {**later["regime"], "tool_latency": "instant"},
+         "machine": {}}
+    assert "tau_airline_dev.json (validation half, its tasks after the first 4)" in rollout_regime(d)
+    d["trace_args"]["skip_groups"] = 0
+    assert "tau_airline_dev.json (validation half)," in rollout_regime(d)
+
+
 def test_a_held_out_task_draw_is_accepted():
     text = real_engine_standing(_run("2026-01-01T00:00:00", {"openrlhf": 2.0, "war": 1.0}, split=None, seed=3,
                                      workload="task:sql_qa"))

@@ -83,6 +83,24 @@ def test_split_halves_are_disjoint_and_cover_every_task(tmp_path):
         ds.generate_from_traces(path, tool_latency_s=float("nan"))
 
 
+def test_skipping_groups_takes_the_next_tasks_of_the_half_in_task_order(tmp_path):
+    """``skip_groups`` leaves out the half's first tasks, so a run can take tasks no earlier run
+    of its regime used; the rows of the tasks it keeps are those of the whole half."""
+    ds = _dataset()
+    path = _trace_file(tmp_path, tasks=12)
+    whole = ds.generate_from_traces(path, split="validation")
+    tasks = [json.loads(r["label"])["task"] for r in whole]
+    assert tasks == sorted(tasks) and len(tasks) == 6
+    for skip in range(len(tasks)):
+        for most in (None, 1, 2, 4):
+            got = ds.generate_from_traces(path, split="validation", skip_groups=skip, max_groups=most)
+            assert got == whole[skip:][:most]
+    with pytest.raises(ValueError, match="after the first 6 tasks"):
+        ds.generate_from_traces(path, split="validation", skip_groups=6)
+    with pytest.raises(ValueError, match="skip_groups: must be an int >= 0"):
+        ds.generate_from_traces(path, split="validation", skip_groups=-1)
+
+
 @pytest.mark.skipif(not REAL_TRACES.is_file(), reason=f"real trace file not found at {REAL_TRACES}")
 def test_the_shared_tau_traces_split_into_two_halves_of_the_tasks():
     ds = _dataset()
@@ -216,6 +234,9 @@ def test_bench_rollout_refuses_bad_arguments_before_starting_engines(tmp_path):
     assert "--split all" in refused("--workload", "traces:x.json", "--split", "all", "--warm-steps", "1")
     assert "--warm-steps and --history-steps: choose one" in refused(
         "--workload", "traces:x.json", "--split", "validation", "--warm-steps", "1", "--history-steps", "1")
+    assert "--skip-groups: a count >= 0 of a trace workload's tasks" in refused(
+        "--workload", "task:sql_qa", "--skip-groups", "2")
+    assert "--skip-groups: a count >= 0" in refused("--workload", "traces:x.json", "--skip-groups", "-1")
     assert not (tmp_path / "o.json").exists()
 
 

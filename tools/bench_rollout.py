@@ -195,7 +195,7 @@ def read_prompt_rows(path: str, n: int) -> list[dict]:
 
 
 def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_latency: float, jitter: float,
-                per_env_token: float):
+                per_env_token: float, skip_groups: int = 0):
     """(rows, agent file) of a ``traces:FILE`` workload (examples/trace_replay)."""
     path = spec.split(":", 1)[1]
     mod_spec = importlib.util.spec_from_file_location("war_bench_trace_dataset",
@@ -203,7 +203,8 @@ def load_traces(spec: str, split: str, max_groups: int | None, seed: int, tool_l
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     rows = mod.generate_from_traces(path, split=split, seed=seed, tool_latency_s=tool_latency,
-                                    jitter_sigma=jitter, per_env_token_s=per_env_token, max_groups=max_groups)
+                                    jitter_sigma=jitter, per_env_token_s=per_env_token, max_groups=max_groups,
+                                    skip_groups=skip_groups)
     return rows, ROOT / "examples" / "trace_replay" / "agent.py"
 
 
@@ -631,6 +632,9 @@ def main(argv=None):
                     help="task: take the prompts from this JSONL file ({prompt, label} rows, the first "
                          "prompts-per-engine x engines of them) instead of the task's generated ones")
     ap.add_argument("--max-groups", type=int, help="traces: at most this many tasks (GRPO groups)")
+    ap.add_argument("--skip-groups", type=int, default=0,
+                    help="traces: leave out the half's first N tasks (in task order) before --max-groups: "
+                         "tasks no earlier run of a regime used (the warm steps' half skips as many)")
     ap.add_argument("--tool-latency", type=float, default=0.05, help="traces: median tool latency, s")
     ap.add_argument("--tool-jitter", type=float, default=0.5, help="traces: lognormal sigma of the latency")
     ap.add_argument("--per-env-token", type=float, default=0.0, help="traces: extra tool seconds per env token")
@@ -697,6 +701,9 @@ def main(argv=None):
         raise SystemExit(f"--history-steps: must be >= 0, got {args.history_steps}")
     if args.warm_steps < 0:
         raise SystemExit(f"--warm-steps: must be >= 0, got {args.warm_steps}")
+    if args.skip_groups and (args.skip_groups < 0 or not args.workload.startswith("traces:")):
+        raise SystemExit(f"--skip-groups: a count >= 0 of a trace workload's tasks (got {args.skip_groups} "
+                         f"with --workload {args.workload})")
     if args.warm_steps and (not args.workload.startswith("traces:") or args.split not in _OTHER_HALF):
         raise SystemExit("--warm-steps: the warm steps run the other half's tasks; use a traces: workload with "
                          f"--split one of {', '.join(_OTHER_HALF)} (got {args.workload!r}, --split {args.split})")
@@ -743,7 +750,7 @@ def main(argv=None):
 
     elif args.workload.startswith("traces:"):
         rows, agent_file = load_traces(args.workload, args.split, args.max_groups, args.seed, args.tool_latency,
-                                       args.tool_jitter, args.per_env_token)
+                                       args.tool_jitter, args.per_env_token, args.skip_groups)
         if any(c in PRIORITY_CONFIGS for c in configs):
             seed_priorities(args.workload, args.split, args.seed)
         trials = {len(json.loads(r["label"])["trials"]) for r in rows}
@@ -751,7 +758,7 @@ def main(argv=None):
         warm_rows = []
         if args.warm_steps:  # the other half's tasks, drawn alike
             warm_rows, _ = load_traces(args.workload, _OTHER_HALF[args.split], args.max_groups, args.seed,
-                                       args.tool_latency, args.tool_jitter, args.per_env_token)
+                                       args.tool_latency, args.tool_jitter, args.per_env_token, args.skip_groups)
             short = [json.loads(r["label"])["task"] for r in warm_rows if len(json.loads(r["label"])["trials"]) < n]
             if short:
                 raise SystemExit(f"--warm-steps: the {_OTHER_HALF[args.split]} half's tasks {', '.join(short)} have "
@@ -911,7 +918,8 @@ def main(argv=None):
                "temperature": args.temperature, "repeats": args.repeats, "wall_s": time.time() - t_all,
                "calibration": calibration, "configs": summary, "runs": results,
                # what re-creates the trace workload (tools/resimulate_rollout.py reads it)
-               "trace_args": {"max_groups": args.max_groups, "seed": args.seed, "tool_latency": args.tool_latency,
+               "trace_args": {"max_groups": args.max_groups, "skip_groups": args.skip_groups,
+                              "seed": args.seed, "tool_latency": args.tool_latency,
                               "tool_jitter": args.tool_jitter, "per_env_token": args.per_env_token},
                # a task workload's recorded episodes, as every configuration replayed them: the
                # simulator re-runs them with any cost model (tools/resimulate_rollout.py)

@@ -60,7 +60,7 @@ def resimulate(d: dict, cost_model: str, traces_root: Path | None = None,
                   "tool_jitter": float(opt.get("--tool-jitter", 0.5)),
                   "per_env_token": float(opt.get("--per-env-token", 0.0))}
         rows, _ = br.load_traces(workload, d["split"], ta["max_groups"], ta["seed"], ta["tool_latency"],
-                                 ta["tool_jitter"], ta["per_env_token"])
+                                 ta["tool_jitter"], ta["per_env_token"], ta.get("skip_groups", 0))
         seed = ta["seed"]
         if any(name in br.PRIORITY_CONFIGS for name in d["configs"]):  # the predictor, fitted as the run's was
             br.seed_priorities(workload, d["split"], seed)

@@ -43,8 +43,9 @@ def task_split(task_id: int) -> str:
 
 def generate_from_traces(path: str | Path, *, split: str = "report", seed: int = 0, tool_latency_s: float = 0.05,
                          jitter_sigma: float = 0.5, per_env_token_s: float = 0.0,
-                         max_groups: int | None = None) -> list[dict]:
-    """Rows for the tasks of ``split`` in the trace file at ``path`` (tau-bench format)."""
+                         max_groups: int | None = None, skip_groups: int = 0) -> list[dict]:
+    """Rows for the tasks of ``split`` in the trace file at ``path`` (tau-bench format): in task
+    order, the first ``skip_groups`` left out, then at most ``max_groups``."""
     from war_openrlhf.traces import (load_chat_traces, qwen25_tokenizer, render_assistant_response,
                                      task_halves)
     from war_openrlhf.traces.chat_template import GENERATION_PROMPT, render_blocks
@@ -55,6 +56,8 @@ def generate_from_traces(path: str | Path, *, split: str = "report", seed: int =
                         ("per_env_token_s", per_env_token_s)):
         if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
             raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+    if not (isinstance(skip_groups, int) and skip_groups >= 0):
+        raise ValueError(f"skip_groups: must be an int >= 0, got {skip_groups!r}")
     trajectories = load_chat_traces(path)
     tokenizer = qwen25_tokenizer()
     halves = task_halves(t.group_id for t in trajectories)
@@ -64,7 +67,8 @@ def generate_from_traces(path: str | Path, *, split: str = "report", seed: int =
                 or task_split(t.task_id) == split):
             groups.setdefault(t.task_id, []).append(t)
     rows = []
-    for task_id in sorted(groups)[: max_groups if max_groups else None]:
+    chosen = sorted(groups)[skip_groups:]
+    for task_id in chosen[: max_groups if max_groups else None]:
         trials = []
         prompt = None
         for t in sorted(groups[task_id], key=lambda x: x.trial):
@@ -89,7 +93,8 @@ def generate_from_traces(path: str | Path, *, split: str = "report", seed: int =
         if trials:
             rows.append({"prompt": prompt, "label": json.dumps({"task": task_id, "trials": trials})})
     if not rows:
-        raise ValueError(f"{path}: no trajectory with a model turn in split {split!r}")
+        raise ValueError(f"{path}: no trajectory with a model turn in split {split!r}"
+                         + (f" after the first {skip_groups} tasks" if skip_groups else ""))
     return rows
 
 
@@ -103,9 +108,11 @@ def main() -> None:
     ap.add_argument("--jitter-sigma", type=float, default=0.5, help="lognormal sigma of the latency")
     ap.add_argument("--per-env-token", type=float, default=0.0, help="extra seconds per environment token")
     ap.add_argument("--max-groups", type=int)
+    ap.add_argument("--skip-groups", type=int, default=0, help="leave out the split's first N tasks")
     a = ap.parse_args()
     rows = generate_from_traces(a.traces, split=a.split, seed=a.seed, tool_latency_s=a.tool_latency,
-                                jitter_sigma=a.jitter_sigma, per_env_token_s=a.per_env_token, max_groups=a.max_groups)
+                                jitter_sigma=a.jitter_sigma, per_env_token_s=a.per_env_token, max_groups=a.max_groups,
+                                skip_groups=a.skip_groups)
     write_jsonl(a.out, rows)
     print(f"wrote {len(rows)} tasks to {a.out}")
 

@@ -979,7 +979,7 @@ def rollout_regime(d: dict) -> str:
     r = d["regime"]
     kv = ("the engines' default KV (ample)" if d["kv_tokens_per_engine"] is None
           else f"KV {d['kv_tokens_per_engine']:,} tokens per engine (pressure {num(d['pressure'])})")
-    work = (f"{d['workload'].split('/')[-1]} ({d['split']} half)" if d.get("split")
+    work = (f"{d['workload'].split('/')[-1]} ({_half_text(d)})" if d.get("split")
             else f"{d['workload']} (seed {d.get('trace_args', {}).get('seed', 0)})")
     idle = {"stopped": "; the other configurations' engines stopped during each run",
             "running": "; the other configurations' engines left running (idle) during each run"}.get(
@@ -988,6 +988,13 @@ def rollout_regime(d: dict) -> str:
             f"engines (load {r['load']}, {r['episodes_per_engine']:g} per engine), {kv}, tools "
             f"{r['tool_latency']}{_history_text(r)}; median of {d['repeats']} in rotating order{idle} "
             f"({load_note(d)}).\n")
+
+
+def _half_text(d: dict) -> str:
+    """The half of a trace file a run used, and which of its tasks (``--skip-groups``: the first N
+    left out, tasks no earlier run of the regime used)."""
+    skip = (d.get("trace_args") or {}).get("skip_groups") or 0
+    return f"{d['split']} half" + (f", its tasks after the first {skip}" if skip else "")
 
 
 def _history_text(regime: dict) -> str:
@@ -1703,7 +1710,7 @@ def _rollout_regime_key(d: dict) -> tuple:
         raise ValueError(f"real_engine_standing: {name} (written {d.get('written_at')}) is not reported data: "
                          f"tuning data or another draw (trace files report their validation half, task "
                          f"workloads seed {', '.join(map(str, REPORTED_TASK_SEEDS))})")
-    data = f"{d['split']} half" if d.get("split") else f"seed {seed}"
+    data = _half_text(d) if d.get("split") else f"seed {seed}"
     if str(d.get("model") or "").rstrip("/").endswith("/war_tiny_llama"):  # bench_rollout --model random
         data += ", random-init model (nothing to draft)"
     kv = "ample KV" if d.get("kv_tokens_per_engine") is None else f"KV pressure {d['pressure']:.1f}"
