@@ -292,3 +292,17 @@ def test_the_price_ablation_pairs_each_repeat_and_names_the_fastest_router():
     assert "(`war_sticky`, median step over median step): `war` 0.90x, `war_all_prompt_price` 0.82x" in text
     del d["configs"]["war_sticky"], d["configs"]["war_dynamo_kv"]
     assert "router" not in rollout_price_ablation(d)
+
+
+def test_the_fluid_inputs_table_lists_each_asked_run_and_refuses_a_file_without_them():
+    from war_openrlhf.metrics.docs_renderers import rollout_fluid_inputs
+
+    inputs = {"prefill_s_per_token": 1.3e-4, "step_s": 0.0106, "growth_per_turn": 493.0, "kv_tokens": 20480.0,
+              "budget": 17056.0, "miss_rounds": 13}
+    fluid = {"admit_s": 39.8, "defer_s": 66.9, "K": 3, "N": 8.0, "defers": False, "inputs": inputs}
+    d = {"runs": {"openrlhf": [{"step_s": 80.0}],
+                  "war": [{"step_s": 63.6, "admission_fluid": fluid}, {"step_s": 50.0, "admission_fluid": None}]}}
+    rows = [x for x in rollout_fluid_inputs(d).splitlines() if x.startswith("| `")]
+    assert rows == ["| `war` | 1 | 130 | 10.6 | 493 | 20,480 / 17,056 | 3 of 8 | 13 | 67 | 40 | all | 63.6 |"]
+    with pytest.raises(ValueError, match="no run recorded the fluid model's inputs"):
+        rollout_fluid_inputs({"runs": {"war": [{"step_s": 1.0, "admission_fluid": {"K": 9, "N": 8.0}}]}})

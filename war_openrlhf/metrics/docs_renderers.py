@@ -1279,6 +1279,31 @@ def rollout_tail(d: dict) -> str:
                     ["l", "r", "l", "r"], rows)
 
 
+@renderer("rollout_fluid_inputs")
+def rollout_fluid_inputs(d: dict) -> str:
+    """Per run of each WAR configuration whose fluid model was asked: what it computed its two
+    estimates from (the prefill rate it priced recomputation at, the step time, the growth per
+    turn, the KV and budget per engine, K of N, the rounds it counted as missing the cache) and
+    the estimates against the step the run measured."""
+    rows = []
+    for c, runs in d["runs"].items():
+        for i, r in enumerate(runs):
+            f = r.get("admission_fluid") or {}
+            x = f.get("inputs")
+            if not x:
+                continue
+            rows.append([f"`{c}`", str(i + 1), num(x["prefill_s_per_token"] * 1e6, ".0f"),
+                         num(x["step_s"] * 1e3, ".1f"), num(x["growth_per_turn"], ".0f"),
+                         f"{x['kv_tokens']:,.0f} / {x['budget']:,.0f}", f"{f['K']:.0f} of {f['N']:.0f}",
+                         str(x["miss_rounds"]), num(f["defer_s"], ".0f"), num(f["admit_s"], ".0f"),
+                         "waves" if f["defers"] else "all", num(r.get("step_s"), ".1f")])
+    if not rows:
+        raise ValueError(f"{d.get('command', 'this file')}: no run recorded the fluid model's inputs")
+    return md_table(["config", "run", "prefill us / token", "step ms", "growth / turn", "KV / budget",
+                     "K", "rounds missing", "waves s (est.)", "all s (est.)", "answer", "step s (measured)"],
+                    ["l", "r", "r", "r", "r", "r", "r", "r", "r", "r", "l", "r"], rows)
+
+
 @renderer("rollout_admission")
 def rollout_admission(d: dict) -> str:
     """What the WAR pool's admission and cache model did in each run: first turns held back (each
