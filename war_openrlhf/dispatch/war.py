@@ -7,9 +7,9 @@ need again after their tool calls. Nothing here is a constant fit to one trace: 
 are the engines' own step regression (``EngineState.step_s``, ``step_per_seq_s``,
 ``prefill_token_s``), else :class:`~.turn_costs.TurnCosts` (every finished turn's latency,
 regressed on its uncached prompt, its response and the engine's batch). An engine whose
-recent steps did not identify a prefill rate reports 0 for it (a window of decode steps alone,
-as at a step's end): prefill is never free, so the last rate an engine identified stands (a
-zero had priced recomputation at nothing in admission's fluid model); the cache state is a
+recent steps did not identify a prefill rate reports 0 for it: prefill is never free, so the
+last rate an engine identified stands (a zero would price recomputation at nothing, and
+admission's fluid model would find admitting all free); the cache state is a
 block-hash model of every engine (:class:`~.block_index.BlockHashIndex`, bounded by each
 engine's reported KV capacity and counted in its own ``kv_block_size``); the workload's shape
 (turn counts, growth per turn, tool gap) is measured from the turns it dispatches.
