@@ -408,8 +408,13 @@ def test_admission_defers_when_the_kv_would_overflow_and_deferring_pays():
     assert pol.deferral_pays() is True
     # every deferral was a first turn that found every engine full; the count is the batch's
     assert pol.full_offers == got.count(DEFER)
+    m = pol.metrics()  # what TensorBoard shows of it
+    assert m["admission_full_offers"] == got.count(DEFER)
+    assert 0 < m["fluid_defer_s"] == pol.last_fluid["defer_s"] < m["fluid_admit_s"] == pol.last_fluid["admit_s"]
     pol.start_batch()
     assert pol.full_offers == 0
+    m = pol.metrics()
+    assert m["admission_full_offers"] == m["fluid_admit_s"] == m["fluid_defer_s"] == 0.0
     # what was admitted fits the budget at the projected peak, on both engines
     for e in (0, 1):
         assert admitted.count(e) >= 1

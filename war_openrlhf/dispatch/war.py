@@ -977,7 +977,14 @@ class WarDispatchPolicy(DispatchPolicy):
         p, s0, s1 = self._engine_rates or self.costs.rates()
         exp = sum(self.expected_reuse)
         gap = self.tool_gap_s()
+        fluid = self.last_fluid
         return {"moves": float(self.moves), "deferrals": float(self.deferrals),
+                # this batch's admission: first turns every engine's budget refused, and the fluid
+                # model's two estimates of the step when it was asked (0: not asked), what
+                # ``defer_margin`` is weighed against
+                "admission_full_offers": float(self.full_offers),
+                "fluid_admit_s": float(fluid.get("admit_s", 0.0)),
+                "fluid_defer_s": float(fluid.get("defer_s", 0.0)),
                 "reuse_loss": sum(self.reprefilled) / exp if exp else 0.0,
                 "kv_scale_min": min(self.kv_scale), "thrash_verdicts": float(self.thrash_verdicts),
                 "prefill_us_per_token": p * 1e6, "step_ms": s0 * 1e3,
