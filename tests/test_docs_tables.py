@@ -258,12 +258,16 @@ def test_the_admission_table_pools_each_configurations_turns_and_leaves_out_the_
                                                                "N": 8.0, "defers": True}},
              {"admission_full_offers": 7, "admission_fluid": {"admit_s": 40.0, "defer_s": 45.0, "K": 5,
                                                                "N": 8.0, "defers": False}},
-             {"admission_full_offers": 2, "admission_fluid": {"K": 9, "N": 8.0, "defers": False}}]
+             {"admission_full_offers": 2, "admission_fluid": {"K": 9, "N": 8.0, "defers": False}},
+             {"admission_full_offers": 3, "admission_fluid": {"defers": True, "unmeasured": True}}]
     d["runs"]["war"] = [dict(g, deferrals=0, cache_estimate=est(10, 0.0, 0, 10)) for g in gates]
     d["runs"]["war"][2]["step_s"] = 51.6
     row = next(x for x in rollout_admission(d).splitlines() if x.startswith("| `war`"))
     assert ("| never full, waves, K 5 of 8 (estimated: waves 40 s, all 60 s), all, K 5 of 8 (estimated: "
-            "waves 45 s, all 40 s; step 52 s), K >= N |") in row
+            "waves 45 s, all 40 s; step 52 s), K >= N, waves, nothing measured yet |") in row
+    d["runs"]["war"][0]["admission_full_offers"] = 4  # refused, yet no answer recorded: not read as one
+    with pytest.raises(ValueError, match="admission_fluid: a run whose budget refused 4 first turns"):
+        rollout_admission(d)
     with pytest.raises(ValueError, match="no run of a WAR-pool configuration"):
         rollout_admission({"runs": {"openrlhf": [{"step_s": 1.0}]}})
 

@@ -490,6 +490,20 @@ def test_admission_admits_past_the_kv_when_tool_calls_dominate():
     assert pol.last_fluid["admit_s"] < pol.last_fluid["defer_s"]
 
 
+def test_a_first_batch_defers_unmeasured_and_says_so():
+    """Before any batch was measured, admission keeps the cache (defers) and records that the
+    answer came from no estimate, which a later measured answer replaces."""
+    pol = make_policy("war", 2, kv_capacity_tokens=5000)
+    pol.start_batch()
+    sts = states([0, 0], rates=RATES, cap=5000)
+    got = [pol.choose(_new(i), sts) for i in range(8)]
+    assert DEFER in got and pol.full_offers >= got.count(DEFER)
+    assert pol.last_fluid == {"defers": True, "unmeasured": True}
+    trained, _ = _trained_policy(gap_s=0.01, **LONG)
+    trained.deferral_pays()
+    assert "unmeasured" not in trained.last_fluid and "admit_s" in trained.last_fluid
+
+
 def test_admission_never_defers_with_nothing_live_or_when_turned_off():
     pol, sts = _trained_policy(gap_s=0.01, **LONG)
     assert pol.choose(req("huge", np.arange(50_000)), sts) != DEFER  # nothing live

@@ -283,7 +283,7 @@ class WarDispatchPolicy(DispatchPolicy):
         self._unpriced: tuple = ((), None, ())  # engines the last decision did not price
         self.moves = 0
         self.deferrals = 0
-        self.full_offers = 0    # this batch's first turns that every engine's budget refused
+        self.full_offers = 0    # this batch's offers of first turns every engine's budget refused (re-offers count)
         self.last_fluid: dict = {}
         # live trajectories and the admission limit
         self._live: Dict[str, _Live] = {}
@@ -390,6 +390,7 @@ class WarDispatchPolicy(DispatchPolicy):
         caps = [c for c in self.capacity_tokens if c < _UNSET_CAPACITY]
         if (surv is None or gap is None or not self._started_prev or not caps
                 or not self._x0_count or (self._engine_rates is None and self.costs.n < 3)):
+            self.last_fluid = {"defers": True, "unmeasured": True}  # not cached: measurements come
             return True
         p, s0, s1 = _priced(*(self._engine_rates or self.costs.rates()))  # as turns are priced
         r = self.costs.mean_response

@@ -1333,15 +1333,19 @@ def _admission_gate(run: dict) -> str:
     """Which of admission's two gates a run's first turns met: ``never full`` (no engine's KV
     budget refused a first turn), else the fluid model's answer, ``waves`` (it deferred) or ``all``
     (it admitted), with its two estimates of the step and the step the run measured, ``K >= N``
-    (the budget holds the step's trajectories per engine). ``-``: a dispatcher without
-    admission, or a file from before these were recorded."""
+    (the budget holds the step's trajectories per engine), ``waves, nothing measured yet`` (no
+    earlier batch to estimate from). ``-``: a dispatcher without admission, or a file from
+    before these were recorded."""
     full, fluid = run.get("admission_full_offers"), run.get("admission_fluid")
     if full is None:
         return "-"
     if not full:
         return "never full"
     if not fluid:
-        return "not asked"
+        raise ValueError(f"admission_fluid: a run whose budget refused {full} first turns records no "
+                         f"answer of the fluid model")
+    if fluid.get("unmeasured"):
+        return "waves, nothing measured yet"
     if "admit_s" not in fluid:
         return "K >= N"
     step = f"; step {run['step_s']:.0f} s" if run.get("step_s") is not None else ""
